@@ -1,0 +1,228 @@
+"""jax_kda prefill vs FLA's chunk_kda (and the XLA path) over the grid of shared/BENCHMARKS.md.
+
+    python benchmarks/bench_prefill.py --out results/          # every case, jax_kda + FLA
+    python benchmarks/bench_prefill.py --cases h96_fixed8k --xla --out results/
+
+How it measures (printed with the results): for each implementation, K back-to-back calls on K
+different input sets (enough sets that they exceed 4x the 60 MB L2, so no call finds its inputs
+in cache), one device synchronisation, wall-clock time / K; the median of `--reps` such
+measurements after a warm-up. The same method times FLA (torch) and jax_kda (one jitted XLA
+program holding the K calls), so host dispatch is amortised the same way for both. Inputs are
+fresh random draws (never zeros); FLA and jax_kda get the same arrays (DLPack), and their outputs
+are checked against each other before anything is timed.
+
+FLA is optional: install `fla-core==0.6.0` (it needs torch and triton); `FLA_FLASH_KDA=0` is set so
+it does not hand off to another library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_kda
+from jax_kda import gold, planner
+from jax_kda.config import validate
+from jax_kda.testing import BENCHMARK_GRID, Workload, hbm_floor_bytes, make_inputs
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy on the H200 (shared/GPU.md)
+L2_BYTES = 60 * 2**20
+METHOD = (
+    "K back-to-back calls on K distinct input sets (> 4x L2), one sync, wall time / K; "
+    "median of --reps measurements after warm-up; same method for every implementation"
+)
+
+
+def input_bytes(args, kwargs) -> int:
+    arrays = list(args) + [v for v in kwargs.values() if hasattr(v, "nbytes")]
+    return sum(int(a.nbytes) for a in arrays)
+
+
+def split_kwargs(kwargs):
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in kwargs.items() if k not in arrays}
+    return arrays, static
+
+
+def time_jax(sets, static, backend, reps):
+    """Median seconds per call of jax_kda.prefill over the K input sets."""
+
+    @jax.jit
+    def many(all_sets):
+        return [jax_kda.prefill(*a, **kw, **static, backend=backend) for a, kw in all_sets]
+
+    jax.block_until_ready(many(sets))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(many(sets))
+        samples.append((time.perf_counter() - start) / len(sets))
+    return statistics.median(samples), samples
+
+
+def fla_call(torch_sets_i, static):
+    from fla.ops.kda import chunk_kda
+
+    a, kw = torch_sets_i
+    return chunk_kda(
+        *a,
+        initial_state=kw.get("initial_state"),
+        output_final_state=static["output_final_state"],
+        use_qk_l2norm_in_kernel=static["use_qk_l2norm_in_kernel"],
+        use_gate_in_kernel=static.get("use_gate_in_kernel", False),
+        use_beta_sigmoid_in_kernel=static["use_beta_sigmoid_in_kernel"],
+        safe_gate=static.get("lower_bound") is not None,
+        lower_bound=static.get("lower_bound"),
+        A_log=kw.get("A_log"),
+        dt_bias=kw.get("dt_bias"),
+        state_v_first=static["state_v_first"],
+        cu_seqlens=kw.get("cu_seqlens"),
+        cu_seqlens_cpu=kw.get("cu_seqlens_cpu"),
+    )
+
+
+def to_torch(sets):
+    import torch
+
+    out = []
+    for a, kw in sets:
+        ta = [torch.from_dlpack(x) for x in a]
+        tkw = {k: torch.from_dlpack(v) for k, v in kw.items()}
+        if "cu_seqlens" in tkw:
+            tkw["cu_seqlens"] = tkw["cu_seqlens"].long()
+            tkw["cu_seqlens_cpu"] = tkw["cu_seqlens"].cpu()
+        out.append((ta, tkw))
+    return out
+
+
+def time_fla(torch_sets, static, reps):
+    import torch
+
+    for s in torch_sets:  # first call per shape autotunes
+        fla_call(s, static)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for s in torch_sets:
+            fla_call(s, static)
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / len(torch_sets))
+    return statistics.median(samples), samples
+
+
+def run_case(w: Workload, args, rng) -> dict:
+    first_args, first_kwargs = make_inputs(w, rng)
+    set_bytes = input_bytes(first_args, first_kwargs)
+    k = min(max(2, math.ceil(4 * L2_BYTES / set_bytes)), 16)
+    sets = [(first_args, first_kwargs)] + [make_inputs(w, rng) for _ in range(k - 1)]
+    static = split_kwargs(first_kwargs)[1]
+    sets = [(a, split_kwargs(kw)[0]) for a, kw in sets]
+
+    cfg = validate(*first_args, backend="auto", **{**dict(scale=None, initial_state=None, cu_seqlens=None,
+                   use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None), **first_kwargs})
+    plan = planner.plan_prefill(cfg)
+    decision = jax_kda.explain(*first_args, **first_kwargs, backend=args.backend)
+    floor_s = hbm_floor_bytes(w) / COPY_BANDWIDTH
+    row = dict(case=w.name, tokens=w.total_tokens, heads=w.heads, sets=k, backend=decision.backend,
+               plan=dict(v_split=plan.v_split, num_segments=plan.num_segments, chunk=plan.chunk_size),
+               hbm_floor_us=floor_s * 1e6)
+
+    ours_o, ours_state = jax_kda.prefill(*first_args, **first_kwargs, backend=args.backend)
+    if args.fla:
+        os.environ.setdefault("FLA_FLASH_KDA", "0")
+        torch_sets = to_torch(sets)
+        fla_o, fla_state = fla_call(torch_sets[0], static)
+        import torch
+
+        row["agree_o"] = gold.err_ratio(np.asarray(jnp.asarray(ours_o, jnp.float32)), fla_o.float().cpu().numpy())
+        row["agree_state"] = gold.err_ratio(np.asarray(ours_state), fla_state.float().cpu().numpy())
+        if row["agree_o"] > 2e-2 or row["agree_state"] > 2e-2:
+            raise SystemExit(f"{w.name}: jax_kda and FLA disagree: {row}")
+        row["fla_us"] = time_fla(torch_sets, static, args.reps)[0] * 1e6
+        del torch_sets
+        torch.cuda.empty_cache()
+    row["jax_kda_us"] = time_jax(sets, static, args.backend, args.reps)[0] * 1e6
+    if args.xla:
+        row["xla_us"] = time_jax(sets, static, "xla", max(args.reps // 4, 3))[0] * 1e6
+    row["floor_fraction"] = row["hbm_floor_us"] / row["jax_kda_us"]
+    if "fla_us" in row:
+        row["speedup_vs_fla"] = row["fla_us"] / row["jax_kda_us"]
+    return row
+
+
+def write_report(rows, out: pathlib.Path, device: str):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(dict(device=device, method=METHOD, rows=rows), indent=1))
+    header = "| case | tokens | H | plan (V-split, segments) | jax_kda µs | FLA µs | jax_kda / FLA speedup | XLA path µs | HBM floor µs | floor / jax_kda |"
+    lines = [header, "|" + "---|" * 10]
+    for r in rows:
+        fmt = lambda key, spec=".0f": format(r[key], spec) if key in r else "—"  # noqa: E731
+        lines.append(
+            f"| {r['case']} | {r['tokens']} | {r['heads']} | {r['plan']['v_split']}, {r['plan']['num_segments']} "
+            f"| {fmt('jax_kda_us')} | {fmt('fla_us')} | {fmt('speedup_vs_fla', '.2f')} | {fmt('xla_us')} "
+            f"| {fmt('hbm_floor_us')} | {fmt('floor_fraction', '.1%')} |"
+        )
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        x = np.arange(len(rows))
+        series = [("jax_kda_us", "jax_kda"), ("fla_us", "FLA chunk_kda"), ("xla_us", "jax_kda XLA path")]
+        present = [(key, label) for key, label in series if any(key in r for r in rows)]
+        width = 0.8 / max(len(present), 1)
+        for i, (key, label) in enumerate(present):
+            ax.bar(x + i * width, [r.get(key, np.nan) for r in rows], width, label=label)
+        ax.scatter(x + 0.4 - width / 2, [r["hbm_floor_us"] for r in rows], marker="_", s=400, c="k",
+                   label="HBM floor", zorder=3)
+        ax.set_yscale("log")
+        ax.set_xticks(x + 0.4 - width / 2, [r["case"] for r in rows], rotation=30, ha="right")
+        ax.set_ylabel("µs per call (log)")
+        ax.set_title(f"KDA prefill on {device}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "prefill.png", dpi=110)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(w.name for w in BENCHMARK_GRID))
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--fla", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--xla", action="store_true", help="also time backend='xla'")
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args()
+
+    by_name = {w.name: w for w in BENCHMARK_GRID}
+    device = jax.devices()[0].device_kind
+    rng = np.random.default_rng()
+    rows = []
+    for name in args.cases.split(","):
+        row = run_case(by_name[name], args, rng)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\nmethod: {METHOD}\ndevice: {device}, {time.strftime('%Y-%m-%d')}\n")
+    print(write_report(rows, args.out, device))
+
+
+if __name__ == "__main__":
+    main()

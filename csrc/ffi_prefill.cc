@@ -1,0 +1,215 @@
+// XLA FFI binding of the KDA prefill kernels: custom call target "jax_kda_prefill_sm90".
+//
+// Operands and attributes are those emitted by jax_kda/primitive.py (absent optional operands come
+// as empty arrays, and the flags say which are read). The handler reads only shapes, pointers and
+// static attributes, allocates nothing (the workspace is an XLA-allocated result), never
+// synchronizes and never reads device data on the host, so its launch replays unchanged from a CUDA
+// graph: it is marked command-buffer compatible.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "ffi_handlers.h"
+#include "kernel_module.h"
+#include "prefill.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_kda {
+namespace {
+
+constexpr char kTarget[] = "jax_kda_prefill_sm90";
+
+ffi::Error InvalidArgument(const std::string& message) {
+  return ffi::Error::InvalidArgument(std::string(kTarget) + ": " + message);
+}
+
+std::string Dims(ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The static attributes of a call; every one the lowering emits must be bound.
+struct PrefillAttrs {
+  int32_t gate_mode;
+  float lower_bound;
+  float scale;
+  int32_t use_qk_l2norm;
+  int32_t use_beta_sigmoid;
+  int32_t state_v_first;
+  int32_t has_initial_state;
+  int32_t output_final_state;
+  int32_t has_dt_bias;
+  int32_t varlen;
+  int32_t chunk_size;
+  int32_t v_split;
+  int32_t num_segments;
+  int32_t segment_len;
+};
+
+ffi::Error CheckAttrs(const PrefillAttrs& a) {
+  if (a.gate_mode < 0 || a.gate_mode > 3) {
+    return InvalidArgument("gate_mode must be 0..3, got " + std::to_string(a.gate_mode));
+  }
+  if (a.chunk_size != kPrefillChunk || a.v_split != 2 || a.num_segments != 1) {
+    return InvalidArgument("this build supports the plan chunk_size=16, v_split=2, num_segments=1; got " +
+                           std::to_string(a.chunk_size) + ", " + std::to_string(a.v_split) + ", " +
+                           std::to_string(a.num_segments) + " (a jax_kda Python/extension version mismatch?)");
+  }
+  return ffi::Error::Success();
+}
+
+// Runs once per call site when XLA builds the executable, outside any CUDA graph capture, which is
+// where loading cubins onto devices is allowed.
+ffi::Error PrefillInstantiate(PrefillAttrs attrs) {
+  if (ffi::Error error = CheckAttrs(attrs); error.failure()) return error;
+  if (const std::string& error = PrefillModules().Load(); !error.empty()) return ffi::Error::Internal(error);
+  return ffi::Error::Success();
+}
+
+ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi::BF16> q,
+                          ffi::BufferR4<ffi::BF16> k, ffi::BufferR4<ffi::BF16> v, ffi::BufferR4<ffi::BF16> g,
+                          ffi::BufferR3<ffi::BF16> beta, ffi::BufferR1<ffi::F32> a_log,
+                          ffi::BufferR1<ffi::F32> dt_bias, ffi::BufferR1<ffi::S32> cu_seqlens,
+                          ffi::Buffer<ffi::F32> initial_state, ffi::ResultBufferR4<ffi::BF16> o,
+                          ffi::Result<ffi::Buffer<ffi::F32>> final_state, ffi::ResultBufferR1<ffi::U8> workspace,
+                          PrefillAttrs attrs) {
+  if (ffi::Error error = CheckAttrs(attrs); error.failure()) return error;
+  const auto qd = q.dimensions();
+  const auto vd = v.dimensions();
+  const int64_t b = qd[0], t = qd[1], h = qd[2], hv = vd[2];
+  const int64_t d = kPrefillHeadDim;
+  if (qd[3] != d || vd[3] != d || !(k.dimensions() == qd) || vd[0] != b || vd[1] != t ||
+      !(g.dimensions() == vd) || !(o->dimensions() == vd)) {
+    return InvalidArgument("expected q, k [B, T, H, 128] and v, g, o [B, T, HV, 128]; got q " + Dims(qd) +
+                           ", v " + Dims(vd));
+  }
+  if (beta.dimensions()[0] != b || beta.dimensions()[1] != t || beta.dimensions()[2] != hv) {
+    return InvalidArgument("beta must be [B, T, HV], got " + Dims(beta.dimensions()));
+  }
+  if (h == 0 || hv % h != 0) return InvalidArgument("HV must be a multiple of H");
+  const int64_t n = attrs.varlen ? cu_seqlens.element_count() - 1 : b;
+  if (n < 0 || (attrs.varlen && b != 1)) return InvalidArgument("packed sequences need B == 1 and N + 1 >= 1 offsets");
+  if (attrs.gate_mode == 1 || attrs.gate_mode == 2) {
+    if (static_cast<int64_t>(a_log.element_count()) != hv) return InvalidArgument("A_log must have HV elements");
+  }
+  if (attrs.gate_mode != 0 && static_cast<int64_t>(dt_bias.element_count()) != hv * d) {
+    return InvalidArgument("dt_bias must have HV * 128 elements (zeros when absent)");
+  }
+  const int64_t state_elements = n * hv * d * d;
+  if (attrs.has_initial_state && static_cast<int64_t>(initial_state.element_count()) != state_elements) {
+    return InvalidArgument("initial_state must be [N, HV, 128, 128]");
+  }
+  if (attrs.output_final_state && static_cast<int64_t>(final_state->element_count()) != state_elements) {
+    return InvalidArgument("final_state must be [N, HV, 128, 128]");
+  }
+  const int64_t tokens = b * t;
+  const int64_t rows = PrefillWorkspaceRows(tokens, n, hv);
+  if (rows >= kPrefillMaxWorkspaceRows || tokens > INT32_MAX) {
+    return InvalidArgument("((B*T) // 16 + N) * HV must be < 2^20, got " + std::to_string(rows));
+  }
+  if (static_cast<int64_t>(workspace->element_count()) < rows * kPrefillWorkspaceBytesPerRow) {
+    return InvalidArgument("workspace has " + std::to_string(workspace->element_count()) + " bytes, needs " +
+                           std::to_string(rows * kPrefillWorkspaceBytesPerRow));
+  }
+  for (const void* p : {q.untyped_data(), k.untyped_data(), v.untyped_data(), g.untyped_data(),
+                        beta.untyped_data(), o->untyped_data(), workspace->untyped_data()}) {
+    if (!Aligned16(p)) return InvalidArgument("every buffer must be 16-byte aligned");
+  }
+
+  // Already done by the instantiate stage; repeated (a no-op after the first call) so that a call
+  // without that stage still reports a load failure instead of launching an unloaded kernel.
+  KernelModules& modules = PrefillModules();
+  if (const std::string& error = modules.Load(); !error.empty()) return ffi::Error::Internal(error);
+  std::string arch_error;
+  const std::optional<Arch> arch = modules.ArchOfDevice(device, &arch_error);
+  if (!arch) return ffi::Error::Internal(arch_error);
+  if (*arch != Arch::kSm90a) {
+    return ffi::Error::Internal(std::string(kTarget) + ": CUDA device " + std::to_string(device) +
+                                " is not compute capability 9.0; the sm90 prefill kernels run on Hopper only");
+  }
+
+  int32_t flags = attrs.gate_mode << kGateModeShift;
+  if (attrs.use_qk_l2norm) flags |= kFlagQkL2Norm;
+  if (attrs.use_beta_sigmoid) flags |= kFlagBetaSigmoid;
+  if (attrs.varlen) flags |= kFlagVarlen;
+  if (attrs.has_initial_state) flags |= kFlagHasInitialState;
+  if (attrs.output_final_state) flags |= kFlagOutputFinalState;
+  if (attrs.state_v_first) flags |= kFlagStateVFirst;
+
+  const PrefillParams params{
+      .q = q.untyped_data(),
+      .k = k.untyped_data(),
+      .v = v.untyped_data(),
+      .g = g.untyped_data(),
+      .beta = beta.untyped_data(),
+      .a_log = a_log.typed_data(),
+      .dt_bias = dt_bias.typed_data(),
+      .cu_seqlens = cu_seqlens.typed_data(),
+      .initial_state = initial_state.typed_data(),
+      .o = o->untyped_data(),
+      .final_state = final_state->typed_data(),
+      .workspace = workspace->untyped_data(),
+      .workspace_bytes = static_cast<int64_t>(workspace->element_count()),
+      .total_tokens = tokens,
+      .num_qk_heads = static_cast<int32_t>(h),
+      .num_v_heads = static_cast<int32_t>(hv),
+      .num_seqs = static_cast<int32_t>(n),
+      .dense_len = static_cast<int32_t>(t),
+      .flags = flags,
+      .scale = attrs.scale,
+      .lower_bound = attrs.lower_bound,
+  };
+  if (cudaError_t status = LaunchPrefill(params, *arch, stream); status != cudaSuccess) {
+    return ffi::Error::Internal(std::string(kTarget) + ": launching the kernels failed: " + CudaErrorText(status));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_kda
+
+// The attribute struct is decoded from the call's attributes by name.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_kda::PrefillAttrs, xla::ffi::StructMember<int32_t>("gate_mode"),
+    xla::ffi::StructMember<float>("lower_bound"), xla::ffi::StructMember<float>("scale"),
+    xla::ffi::StructMember<int32_t>("use_qk_l2norm"), xla::ffi::StructMember<int32_t>("use_beta_sigmoid"),
+    xla::ffi::StructMember<int32_t>("state_v_first"), xla::ffi::StructMember<int32_t>("has_initial_state"),
+    xla::ffi::StructMember<int32_t>("output_final_state"), xla::ffi::StructMember<int32_t>("has_dt_bias"),
+    xla::ffi::StructMember<int32_t>("varlen"), xla::ffi::StructMember<int32_t>("chunk_size"),
+    xla::ffi::StructMember<int32_t>("v_split"), xla::ffi::StructMember<int32_t>("num_segments"),
+    xla::ffi::StructMember<int32_t>("segment_len"));
+
+namespace jax_kda {
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPrefillInstantiate, PrefillInstantiate,
+                              ffi::Ffi::BindInstantiate().Attrs<PrefillAttrs>());  // every attribute, by name
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kPrefillExecute, PrefillExecute,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this call; the kernels go on it
+        .Ctx<ffi::DeviceOrdinal>()                 // the stream's CUDA device (must be compute capability 9.0)
+        .Arg<ffi::BufferR4<ffi::BF16>>()           // q [B, T, H, 128]
+        .Arg<ffi::BufferR4<ffi::BF16>>()           // k [B, T, H, 128]
+        .Arg<ffi::BufferR4<ffi::BF16>>()           // v [B, T, HV, 128]
+        .Arg<ffi::BufferR4<ffi::BF16>>()           // g [B, T, HV, 128]: raw gate or log-decay
+        .Arg<ffi::BufferR3<ffi::BF16>>()           // beta [B, T, HV]
+        .Arg<ffi::BufferR1<ffi::F32>>()            // A_log [HV], or [0]
+        .Arg<ffi::BufferR1<ffi::F32>>()            // dt_bias [HV * 128] (zeros when absent), or [0] for gate 0
+        .Arg<ffi::BufferR1<ffi::S32>>()            // cu_seqlens [N + 1], or [0] when dense
+        .Arg<ffi::Buffer<ffi::F32>>()              // initial_state [N, HV, 128, 128] (either layout), or [0]
+        .Ret<ffi::BufferR4<ffi::BF16>>()           // o [B, T, HV, 128]
+        .Ret<ffi::Buffer<ffi::F32>>()              // final_state like initial_state (aliases it), or [0]
+        .Ret<ffi::BufferR1<ffi::U8>>()             // workspace: prepare -> recurrence hand-off
+        .Attrs<PrefillAttrs>(),                    // the static attributes (flags and plan), by name
+    {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_kda

@@ -1,0 +1,297 @@
+"""KDA prefill, SM90, kernel 2 of 2: `chunk_recurrence`, the serial half.
+
+One CTA per (64-wide slice of V, value head, sequence); it walks the sequence's chunks in order.
+The state slice lives in registers as the fp32 accumulator of a warpgroup MMA, transposed:
+S^T [64 v, 128 k]. Per chunk, with the operands written by `prepare_chunks` (TMA-loaded):
+
+    S_bf   = bf16(S^T)                       A operand, straight from the accumulator registers
+    S^T   *= decay (per column k)
+    U^T    = Vw^T + S_bf neg_kw^T            wgmma m64n16, K = 128 (accumulator preloaded with Vw^T)
+    O^T    = S_bf qd^T                       wgmma m64n16, K = 128, same batch
+    U_bf   = bf16(U^T)
+    O^T   += U_bf mqk^T                      wgmma m64n16,  K = 16
+    S^T   += U_bf kr                         wgmma m64n128, K = 16  (fp32 accumulate onto the state)
+
+Critical path per chunk: one 64-register conversion, two dependent wgmma batches.
+
+Warp roles (160 threads): warps 0-3 are the MMA warpgroup; warp 4 is the TMA producer.
+Shared memory per pipeline stage (bytes):
+    neg_kw 16 x 128 x 2 = 4096, qd 4096, kr 4096, mqk 16 x 16 x 2 = 512,
+    vw 16 x 64 x 4 = 4096, decay 128 x 4 = 512                      -> 17408 per stage
+plus the output staging tile 2 x 16 x 64 x 2 = 4096 and the mbarriers.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils.layout import LayoutEnum
+
+CHUNK = 16
+HEAD_DIM = 128
+V_SLICE = 64
+STAGES = 4
+MMA_THREADS = 128
+THREADS = MMA_THREADS + 32
+PRODUCER_WARP = MMA_THREADS // 32
+OUTPUT_BARRIER = 1
+
+
+def shared_memory_bytes() -> int:
+    """Shared memory of one CTA, as laid out by SharedStorage (1024-byte aligned swizzled tiles)."""
+    barriers = 1024  # 2 * STAGES mbarriers, padded up to the first 1024-aligned tile
+    mma_tiles = STAGES * (3 * CHUNK * HEAD_DIM * 2 + CHUNK * CHUNK * 2)  # neg_kw, qd, kr, mqk
+    thread_tiles = STAGES * (CHUNK * V_SLICE * 4 + HEAD_DIM * 4)  # vw, decay
+    return barriers + mma_tiles + thread_tiles + 2 * CHUNK * V_SLICE * 2  # + output staging
+
+
+def _acc_as_operand_layout(acc_layout, operand_value_shape):
+    """Register layout of a bf16 A operand that reuses an fp32 accumulator's element order.
+
+    For 16-bit inputs the wgmma accumulator fragment of an m64nN tile holds, per thread, the
+    same (row, column) pairs in the same order as the A fragment of an m64kN operand, so the
+    conversion is an element-wise cast into this re-grouped layout: value modes (2, 2, 2) per
+    k-block of 16 and the remaining n8-blocks become the k-block mode.
+    """
+    per_block = cute.size(operand_value_shape)
+    return cute.make_layout(
+        (operand_value_shape, acc_layout.shape[1],
+         (acc_layout.shape[2], cute.size(acc_layout, mode=[0]) // per_block)),
+        stride=(acc_layout.stride[0], acc_layout.stride[1],
+                (acc_layout.stride[2], cute.size(operand_value_shape, mode=[2]) * acc_layout.stride[0][2])),
+    )
+
+
+@cute.jit
+def _to_operand(acc: cute.Tensor, dst: cute.Tensor):
+    """dst (bf16 A operand) <- acc (fp32 accumulator), element-wise."""
+    dst_as_acc = cute.make_tensor(dst.iterator, acc.layout)
+    dst_as_acc.store(acc.load().to(cutlass.BFloat16))
+
+
+class ChunkRecurrence:
+    """Host-side setup (TMA atoms, smem layouts, MMAs) and the device kernel."""
+
+    def __init__(self):
+        self.mma_tok = None
+        self.mma_state = None
+
+    def make_mmas(self):
+        # m64n16: U^T and O^T. A = registers (K-major by construction), B = [tokens, k] K-major.
+        self.mma_tok = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.K,
+            Float32, (1, 1, 1), (V_SLICE, CHUNK), warpgroup.OperandSource.RMEM)
+        # m64n128: the state update. B = kr viewed as [k (N), tokens (K)], k contiguous: MN-major.
+        self.mma_state = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.MN,
+            Float32, (1, 1, 1), (V_SLICE, HEAD_DIM), warpgroup.OperandSource.RMEM)
+
+    @cute.jit
+    def launch(self, neg_kw: cute.Tensor, qd: cute.Tensor, kr: cute.Tensor, mqk: cute.Tensor,
+               vw: cute.Tensor, decay: cute.Tensor, cu_seqlens: cute.Tensor,
+               initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor,
+               num_seqs: Int32, dense_len: Int32, flags: Int32, stream):
+        self.make_mmas()
+        bf16 = cutlass.BFloat16
+        # Shared-memory layouts of the MMA B operands (swizzled, staged).
+        kw_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (V_SLICE, CHUNK, HEAD_DIM), bf16, STAGES)
+        kr_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (V_SLICE, HEAD_DIM, CHUNK), bf16, STAGES)
+        mqk_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (V_SLICE, CHUNK, CHUNK), bf16, STAGES)
+        vw_layout = cute.make_layout((CHUNK, V_SLICE, STAGES), stride=(V_SLICE, 1, CHUNK * V_SLICE))
+        decay_layout = cute.make_layout((1, HEAD_DIM, STAGES), stride=(HEAD_DIM, 1, HEAD_DIM))
+        out_layout = cute.make_layout((CHUNK, V_SLICE, 2), stride=(V_SLICE, 1, CHUNK * V_SLICE))
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        # kr rows are tokens with k contiguous; the MMA wants it as [k, tokens].
+        kr_nk = cute.make_tensor(kr.iterator, cute.make_layout((HEAD_DIM, kr.shape[0]), stride=(1, HEAD_DIM)))
+        tma_kw, g_kw = cpasync.make_tiled_tma_atom(g2s, neg_kw, cute.slice_(kw_layout, (None, None, 0)), (CHUNK, HEAD_DIM))
+        tma_qd, g_qd = cpasync.make_tiled_tma_atom(g2s, qd, cute.slice_(kw_layout, (None, None, 0)), (CHUNK, HEAD_DIM))
+        tma_kr, g_kr = cpasync.make_tiled_tma_atom(g2s, kr_nk, cute.slice_(kr_layout, (None, None, 0)), (HEAD_DIM, CHUNK))
+        tma_mqk, g_mqk = cpasync.make_tiled_tma_atom(g2s, mqk, cute.slice_(mqk_layout, (None, None, 0)), (CHUNK, CHUNK))
+        tma_vw, g_vw = cpasync.make_tiled_tma_atom(g2s, vw, cute.slice_(vw_layout, (None, None, 0)), (CHUNK, V_SLICE))
+        tma_dec, g_dec = cpasync.make_tiled_tma_atom(g2s, decay, cute.slice_(decay_layout, (None, None, 0)), (1, HEAD_DIM))
+        stage_bytes = (3 * CHUNK * HEAD_DIM * 2 + CHUNK * CHUNK * 2 + CHUNK * V_SLICE * 4 + HEAD_DIM * 4)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
+            s_kw: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kw_layout)], 1024]
+            s_qd: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kw_layout)], 1024]
+            s_kr: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kr_layout)], 1024]
+            s_mqk: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(mqk_layout)], 1024]
+            s_vw: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(vw_layout)], 128]
+            s_dec: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(decay_layout)], 128]
+            s_out: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(out_layout)], 128]
+
+        num_v_heads = o.shape[1]
+        self.kernel(
+            self.mma_tok, self.mma_state,
+            tma_kw, g_kw, tma_qd, g_qd, tma_kr, g_kr, tma_mqk, g_mqk, tma_vw, g_vw, tma_dec, g_dec,
+            kw_layout, kr_layout, mqk_layout, vw_layout, decay_layout, out_layout,
+            cu_seqlens, initial_state, o, final_state, num_seqs, dense_len, flags,
+            SharedStorage, stage_bytes,
+        ).launch(grid=[HEAD_DIM // V_SLICE, num_v_heads, num_seqs], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma,
+               tma_kw: cute.CopyAtom, g_kw: cute.Tensor, tma_qd: cute.CopyAtom, g_qd: cute.Tensor,
+               tma_kr: cute.CopyAtom, g_kr: cute.Tensor, tma_mqk: cute.CopyAtom, g_mqk: cute.Tensor,
+               tma_vw: cute.CopyAtom, g_vw: cute.Tensor, tma_dec: cute.CopyAtom, g_dec: cute.Tensor,
+               kw_layout: cute.ComposedLayout, kr_layout: cute.ComposedLayout,
+               mqk_layout: cute.ComposedLayout, vw_layout: cute.Layout, decay_layout: cute.Layout,
+               out_layout: cute.Layout,
+               cu_seqlens: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
+               final_state: cute.Tensor, num_seqs: Int32, dense_len: Int32, flags: Int32,
+               SharedStorage: cutlass.Constexpr, stage_bytes: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        v_slice, hv, seq = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        total_tokens = o.shape[0]
+        num_v_heads = o.shape[1]
+        v0 = v_slice * V_SLICE
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        loads = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS // 32),
+            tx_count=stage_bytes,
+        )
+        s_kw = storage.s_kw.get_tensor(kw_layout.outer, swizzle=kw_layout.inner)
+        s_qd = storage.s_qd.get_tensor(kw_layout.outer, swizzle=kw_layout.inner)
+        s_kr = storage.s_kr.get_tensor(kr_layout.outer, swizzle=kr_layout.inner)
+        s_mqk = storage.s_mqk.get_tensor(mqk_layout.outer, swizzle=mqk_layout.inner)
+        s_vw = storage.s_vw.get_tensor(vw_layout)
+        s_dec = storage.s_dec.get_tensor(decay_layout)
+        s_out = storage.s_out.get_tensor(out_layout)
+
+        varlen = (flags & (1 << 2)) != 0
+        bos = seq * dense_len
+        eos = bos + dense_len
+        if varlen:
+            bos = cu_seqlens[seq]
+            eos = cu_seqlens[seq + 1]
+        bos = cutlass.min(cutlass.max(bos, 0), total_tokens)
+        eos = cutlass.min(cutlass.max(eos, bos), total_tokens)
+        num_chunks = (eos - bos + CHUNK - 1) // CHUNK
+        slot0 = bos // CHUNK + seq
+
+        if warp == PRODUCER_WARP:
+            # TMA producer: one stage per chunk, all six operands on one transaction barrier.
+            t_kw_s, t_kw_g = cpasync.tma_partition(tma_kw, 0, cute.make_layout(1), cute.group_modes(s_kw, 0, 2),
+                                                   cute.group_modes(cute.local_tile(g_kw, (CHUNK, HEAD_DIM), (None, 0)), 0, 2))
+            t_qd_s, t_qd_g = cpasync.tma_partition(tma_qd, 0, cute.make_layout(1), cute.group_modes(s_qd, 0, 2),
+                                                   cute.group_modes(cute.local_tile(g_qd, (CHUNK, HEAD_DIM), (None, 0)), 0, 2))
+            t_kr_s, t_kr_g = cpasync.tma_partition(tma_kr, 0, cute.make_layout(1), cute.group_modes(s_kr, 0, 2),
+                                                   cute.group_modes(cute.local_tile(g_kr, (HEAD_DIM, CHUNK), (0, None)), 0, 2))
+            t_mqk_s, t_mqk_g = cpasync.tma_partition(tma_mqk, 0, cute.make_layout(1), cute.group_modes(s_mqk, 0, 2),
+                                                     cute.group_modes(cute.local_tile(g_mqk, (CHUNK, CHUNK), (None, 0)), 0, 2))
+            t_vw_s, t_vw_g = cpasync.tma_partition(tma_vw, 0, cute.make_layout(1), cute.group_modes(s_vw, 0, 2),
+                                                   cute.group_modes(cute.local_tile(g_vw, (CHUNK, V_SLICE), (None, v_slice)), 0, 2))
+            t_dec_s, t_dec_g = cpasync.tma_partition(tma_dec, 0, cute.make_layout(1), cute.group_modes(s_dec, 0, 2),
+                                                     cute.group_modes(cute.local_tile(g_dec, (1, HEAD_DIM), (None, 0)), 0, 2))
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+            for c in cutlass.range(num_chunks, unroll=1):
+                tile = (slot0 + c) * num_v_heads + hv
+                loads.producer_acquire(state)
+                bar = loads.producer_get_barrier(state)
+                cute.copy(tma_kw, t_kw_g[(None, tile)], t_kw_s[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_qd, t_qd_g[(None, tile)], t_qd_s[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_kr, t_kr_g[(None, tile)], t_kr_s[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_mqk, t_mqk_g[(None, tile)], t_mqk_s[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_vw, t_vw_g[(None, tile)], t_vw_s[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_dec, t_dec_g[(None, tile)], t_dec_s[(None, state.index)], tma_bar_ptr=bar)
+                loads.producer_commit(state)
+                state.advance()
+
+        if warp < PRODUCER_WARP:
+            thr_tok = mma_tok.get_slice(tidx)
+            thr_state = mma_state.get_slice(tidx)
+            # B operand views of every stage.
+            b_kw = thr_tok.make_fragment_B(thr_tok.partition_B(s_kw))
+            b_qd = thr_tok.make_fragment_B(thr_tok.partition_B(s_qd))
+            b_mqk = thr_tok.make_fragment_B(thr_tok.partition_B(s_mqk))
+            b_kr = thr_state.make_fragment_B(thr_state.partition_B(s_kr))
+            # Accumulators and their (row, column) coordinates: rows are v, columns tokens or k.
+            acc_s = thr_state.make_fragment_C(thr_state.partition_shape_C((V_SLICE, HEAD_DIM)))
+            acc_u = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
+            acc_o = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
+            crd_s = thr_state.partition_C(cute.make_identity_tensor((V_SLICE, HEAD_DIM)))
+            crd_t = thr_tok.partition_C(cute.make_identity_tensor((V_SLICE, CHUNK)))
+            # bf16 A operands built from the accumulators.
+            a_value_shape = mma_tok.tv_layout_A.shape[1]
+            a_s = cute.make_rmem_tensor(_acc_as_operand_layout(acc_s.layout, a_value_shape), cutlass.BFloat16)
+            a_u = cute.make_rmem_tensor(_acc_as_operand_layout(acc_u.layout, a_value_shape), cutlass.BFloat16)
+
+            state_v_first = (flags & (1 << 5)) != 0
+            acc_s.fill(0.0)
+            if (flags & (1 << 3)) != 0:
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    vv, kk = crd_s[e]
+                    if state_v_first:
+                        acc_s[e] = initial_state[seq, hv, v0 + vv, kk]
+                    else:
+                        acc_s[e] = initial_state[seq, hv, kk, v0 + vv]
+
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            for c in cutlass.range(num_chunks, unroll=1):
+                loads.consumer_wait(state)
+                stage = state.index
+                for e in cutlass.range_constexpr(cute.size(acc_u)):
+                    vv, tt = crd_t[e]
+                    acc_u[e] = s_vw[tt, vv, stage]
+                _to_operand(acc_s, a_s)
+                # Decay the fp32 state now: ptxas would otherwise serialize this against the
+                # batch below anyway (it treats acc_s as live wgmma output across the loop).
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    _, kk = crd_s[e]
+                    acc_s[e] = acc_s[e] * s_dec[0, kk, stage]
+
+                warpgroup.fence()
+                mma_tok.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                    cute.gemm(mma_tok, acc_u, a_s[None, None, kb], b_kw[None, None, kb, stage], acc_u)
+                for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                    mma_tok.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(mma_tok, acc_o, a_s[None, None, kb], b_qd[None, None, kb, stage], acc_o)
+                warpgroup.commit_group()
+
+                warpgroup.wait_group(0)
+
+                _to_operand(acc_u, a_u)
+                warpgroup.fence()
+                mma_tok.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(mma_tok, acc_o, a_u[None, None, 0], b_mqk[None, None, 0, stage], acc_o)
+                mma_state.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(mma_state, acc_s, a_u[None, None, 0], b_kr[None, None, 0, stage], acc_s)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                loads.consumer_release(state)
+                state.advance()
+
+                # Output: transpose through shared memory, then 16-byte rows per thread.
+                buf = c % 2
+                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                    vv, tt = crd_t[e]
+                    s_out[tt, vv, buf] = acc_o[e].to(cutlass.BFloat16)
+                cute.arch.barrier(barrier_id=OUTPUT_BARRIER, number_of_threads=MMA_THREADS)
+                tok = tidx // 8
+                part = tidx % 8
+                t = bos + c * CHUNK + tok
+                if t < eos:
+                    for e in cutlass.range_constexpr(8):
+                        o[t, hv, v0 + part * 8 + e] = s_out[tok, part * 8 + e, buf]
+
+            if (flags & (1 << 4)) != 0:
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    vv, kk = crd_s[e]
+                    if state_v_first:
+                        final_state[seq, hv, v0 + vv, kk] = acc_s[e]
+                    else:
+                        final_state[seq, hv, kk, v0 + vv] = acc_s[e]

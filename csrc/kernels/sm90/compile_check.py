@@ -1,0 +1,130 @@
+"""Compile and export every SM90 KDA kernel for sm_90a, then print each kernel's resource usage.
+
+    python csrc/kernels/sm90/compile_check.py OUT_DIR
+
+Writes OUT_DIR/<export name>.{h,o} and keeps the PTX/cubin under OUT_DIR/dump. Registers and
+spills: the register count stored in the exported cubin (what runs), and ptxas -v of the local
+toolkit on the kept PTX for spills (its register count can differ from the DSL's bundled ptxas);
+cuobjdump -res-usage is printed too where cuobjdump is installed.
+Exits non-zero when compilation fails or a kernel spills.
+"""
+
+import ctypes
+import glob
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+
+def cubin_register_counts(path):
+    """{kernel name: registers} from the cubin: EIATTR_REGCOUNT entries of `.nv.info`, keyed by
+    symbol index, matched to `.text.<kernel>` sections through their sh_info (symbol index)."""
+    data = open(path, "rb").read()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names_off = headers[shstrndx][4]
+
+    def name(offset):
+        end = data.index(b"\0", names_off + offset)
+        return data[names_off + offset:end].decode()
+
+    regs_by_symbol, kernel_by_symbol = {}, {}
+    for h in headers:
+        section = name(h[0])
+        if section.startswith(".text."):
+            kernel_by_symbol[h[7]] = section[len(".text."):]
+        if section == ".nv.info":
+            i, stop = h[4], h[4] + h[5]
+            while i < stop:
+                fmt, attr = data[i], data[i + 1]
+                if fmt == 0x04:  # EIFMT_SVAL: u16 size, payload
+                    size, = struct.unpack_from("<H", data, i + 2)
+                    if attr == 0x2F:  # EIATTR_REGCOUNT: (symbol index, registers)
+                        symbol, regs = struct.unpack_from("<II", data, i + 4)
+                        regs_by_symbol[symbol] = regs
+                    i += 4 + size
+                elif fmt == 0x03:  # EIFMT_HVAL
+                    i += 4
+                elif fmt == 0x02:  # EIFMT_BVAL
+                    i += 3
+                else:
+                    i += 2
+    return {kernel_by_symbol[s]: r for s, r in regs_by_symbol.items() if s in kernel_by_symbol}
+
+
+def ptxas_usage(ptx_path):
+    """{kernel name: (registers, spill store bytes, spill load bytes)} from ptxas -v."""
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
+                         capture_output=True, text=True, check=True).stderr
+    usage, current = {}, None
+    for line in out.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            current = m.group(1)
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current:
+            usage.setdefault(current, [0, 0, 0])[1:] = [int(m.group(1)), int(m.group(2))]
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            usage.setdefault(current, [0, 0, 0])[0] = int(m.group(1))
+        if "C7517" in line or "serialized" in line:
+            print("ptxas:", line.strip())
+    return usage
+
+
+def short_name(kernel):
+    for known in ("prepare_chunks_kernel", "ChunkRecurrence"):
+        if known in kernel:
+            return "prepare_chunks" if known.startswith("prepare") else "chunk_recurrence"
+    return kernel[:60]
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    out_dir = os.path.abspath(sys.argv[1])
+    dump_dir = os.path.join(out_dir, "dump")
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    os.makedirs(dump_dir)
+    os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"
+    os.environ["CUTE_DSL_DUMP_DIR"] = dump_dir
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+
+    import cutlass
+    ctypes.CDLL(cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=False)[0], mode=ctypes.RTLD_GLOBAL)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # csrc/kernels
+    import cutlass.cute as cute
+    from sm90 import chunk_recurrence, kda_prefill, prepare_chunks
+
+    compiled = cute.compile(kda_prefill.prefill, *kda_prefill.compile_arguments(), options="--gpu-arch sm_90a")
+    compiled.export_to_c(out_dir, "prefill_sm_90a", function_prefix="jax_kda_prefill_sm_90a")
+    print(f"exported {out_dir}/prefill_sm_90a.h and .o")
+
+    smem = {
+        "prepare_chunks": prepare_chunks.shared_memory_bytes(),
+        "chunk_recurrence": chunk_recurrence.shared_memory_bytes(),
+    }
+    ok = True
+    for ptx in glob.glob(os.path.join(dump_dir, "*.ptx")):
+        usage = ptxas_usage(ptx)
+        cubins = glob.glob(os.path.splitext(ptx)[0] + ".cubin")
+        stored = cubin_register_counts(cubins[0]) if cubins else {}
+        for kernel, (regs, spill_st, spill_ld) in sorted(usage.items(), key=lambda kv: short_name(kv[0])):
+            name = short_name(kernel)
+            print(f"{name:18s} registers {stored.get(kernel)} in cubin ({regs} with local ptxas), "
+                  f"spills {spill_st}/{spill_ld} B store/load, dynamic smem {smem.get(name, 0)} B")
+            ok &= spill_st == 0 and spill_ld == 0
+        if cubins and shutil.which("cuobjdump"):
+            print(subprocess.run(["cuobjdump", "-res-usage", cubins[0]], capture_output=True,
+                                 text=True).stdout)
+    if not ok:
+        sys.exit("compile check failed: a kernel spills")
+    print("compile check passed")
+
+
+if __name__ == "__main__":
+    main()

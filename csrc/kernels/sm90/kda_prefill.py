@@ -1,0 +1,104 @@
+"""KDA prefill for SM90 (K = V = 128): the AOT entry point that launches both kernels.
+
+build/aot_compile.py compiles `prefill` (with `compile_arguments()`) for sm_90a into one object
+that serves every shape and flag combination: all sizes are symbolic, every flag is a runtime bit
+of `flags`. The exported C function launches `prepare_chunks` then `chunk_recurrence` on the
+caller's stream, and launches nothing when the grid would be empty. Build-time only (imports the DSL).
+
+Workspace (one buffer, bytes, 16-byte aligned; see `workspace_bytes`):
+    R = (total_tokens // 16 + num_seqs) * HV           chunk slots x value heads
+    [0,        4096 R)   neg_kw  bf16 [R * 16, 128]
+    [4096 R,   8192 R)   qd      bf16 [R * 16, 128]
+    [8192 R,  12288 R)   kr      bf16 [R * 16, 128]
+    [12288 R, 20480 R)   vw      fp32 [R * 16, 128]
+    [20480 R, 20992 R)   mqk     bf16 [R * 16, 16]
+    [20992 R, 21504 R)   decay   fp32 [R, 128]
+"""
+
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from sm90 import chunk_recurrence, prepare_chunks
+
+CHUNK = 16
+HEAD_DIM = 128
+WORKSPACE_BYTES_PER_SLOT_HEAD = 3 * 4096 + 8192 + 512 + 512
+
+# Flag bits (runtime `flags` argument); csrc/prefill.h mirrors them.
+FLAG_QK_L2NORM = 1 << 0
+FLAG_BETA_SIGMOID = 1 << 1
+FLAG_VARLEN = 1 << 2
+FLAG_HAS_INITIAL_STATE = 1 << 3
+FLAG_OUTPUT_FINAL_STATE = 1 << 4
+FLAG_STATE_V_FIRST = 1 << 5
+GATE_MODE_SHIFT = 8
+
+_BF16, _F32 = cutlass.BFloat16, cutlass.Float32
+
+
+def workspace_bytes(total_tokens: int, num_seqs: int, num_v_heads: int) -> int:
+    """Workspace size for `total_tokens` = B * T tokens in `num_seqs` sequences (B when dense)."""
+    return (total_tokens // CHUNK + num_seqs) * num_v_heads * WORKSPACE_BYTES_PER_SLOT_HEAD
+
+
+def _region(ws_bytes_ptr, byte_offset, dtype, shape):
+    ptr = cute.recast_ptr(ws_bytes_ptr + cute.assume(byte_offset, divby=512), dtype=dtype)
+    return cute.make_tensor(ptr, cute.make_layout(shape, stride=(shape[1], 1)))
+
+
+@cute.jit
+def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
+            a_log: cute.Tensor, dt_bias: cute.Tensor, cu_seqlens: cute.Tensor,
+            initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor,
+            workspace: cute.Tensor, num_seqs: Int32, dense_len: Int32, flags: Int32,
+            scale: Float32, lower_bound: Float32, stream: cuda.CUstream):
+    num_v_heads = v.shape[1]
+    slots = q.shape[0] // CHUNK + num_seqs
+    rows = slots * num_v_heads
+    rows64 = cutlass.Int64(rows)
+    base = workspace.iterator
+    neg_kw = _region(base, rows64 * 0, _BF16, (rows * CHUNK, HEAD_DIM))
+    qd = _region(base, rows64 * 4096, _BF16, (rows * CHUNK, HEAD_DIM))
+    kr = _region(base, rows64 * 8192, _BF16, (rows * CHUNK, HEAD_DIM))
+    vw = _region(base, rows64 * 12288, _F32, (rows * CHUNK, HEAD_DIM))
+    mqk = _region(base, rows64 * 20480, _BF16, (rows * CHUNK, CHUNK))
+    decay = _region(base, rows64 * 20992, _F32, (rows, HEAD_DIM))
+    if rows > 0:
+        prepare_chunks.prepare_chunks_kernel(
+            q, k, v, g, beta, a_log, dt_bias, cu_seqlens, neg_kw, qd, kr, mqk, vw, decay,
+            num_seqs, dense_len, flags, scale, lower_bound,
+        ).launch(grid=[slots, num_v_heads, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream)
+    if num_seqs * num_v_heads > 0:
+        chunk_recurrence.ChunkRecurrence().launch(
+            neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, initial_state, o, final_state, num_seqs,
+            dense_len, flags, stream)
+
+
+def compile_arguments() -> tuple:
+    """Placeholder arguments for `cute.compile`: every size is symbolic, so one object serves all."""
+    tokens, q_heads, v_heads, seqs, seqs_plus_one = (cute.sym_int32() for _ in range(5))
+    ws_len = cute.sym_int64()
+
+    def tensor(dtype, shape):
+        order = tuple(reversed(range(len(shape))))
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
+
+    return (
+        tensor(_BF16, (tokens, q_heads, HEAD_DIM)),               # q
+        tensor(_BF16, (tokens, q_heads, HEAD_DIM)),               # k
+        tensor(_BF16, (tokens, v_heads, HEAD_DIM)),               # v
+        tensor(_BF16, (tokens, v_heads, HEAD_DIM)),               # g
+        tensor(_BF16, (tokens, v_heads)),                         # beta
+        tensor(_F32, (v_heads,)),                                 # A_log
+        tensor(_F32, (v_heads, HEAD_DIM)),                        # dt_bias
+        tensor(cutlass.Int32, (seqs_plus_one,)),                  # cu_seqlens
+        tensor(_F32, (seqs, v_heads, HEAD_DIM, HEAD_DIM)),        # initial_state
+        tensor(_BF16, (tokens, v_heads, HEAD_DIM)),               # o
+        tensor(_F32, (seqs, v_heads, HEAD_DIM, HEAD_DIM)),        # final_state
+        tensor(cutlass.Uint8, (ws_len,)),                         # workspace
+        Int32(1), Int32(0), Int32(0), Float32(1.0), Float32(-5.0), make_fake_stream(),
+    )

@@ -1,0 +1,78 @@
+// The KDA prefill kernels (csrc/kernels/sm90/) behind a plain C++ interface: a parameters struct
+// (pointers, sizes, flags; no framework types) and one launch function.
+
+#ifndef JAX_KDA_CSRC_PREFILL_H_
+#define JAX_KDA_CSRC_PREFILL_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernel_module.h"
+
+namespace jax_kda {
+
+// Head dimension the kernels are compiled for (K == V).
+inline constexpr int64_t kPrefillHeadDim = 128;
+// Tokens per chunk in the kernels; the workspace is sized in chunk slots of this many tokens.
+inline constexpr int64_t kPrefillChunk = 16;
+// Workspace bytes per (chunk slot, value head): neg_kw, qd, kr (bf16 16x128), vw (fp32 16x128),
+// mqk (bf16 16x16), decay (fp32 128). Mirrored by jax_kda/planner.py.
+inline constexpr int64_t kPrefillWorkspaceBytesPerRow = 3 * 4096 + 8192 + 512 + 512;
+// The kernels index workspace regions with 32-bit element offsets: rows * 2048 < 2^31.
+inline constexpr int64_t kPrefillMaxWorkspaceRows = int64_t{1} << 20;
+
+// Bits of the kernels' runtime `flags` argument (csrc/kernels/sm90/kda_prefill.py).
+enum PrefillFlag : int32_t {
+  kFlagQkL2Norm = 1 << 0,
+  kFlagBetaSigmoid = 1 << 1,
+  kFlagVarlen = 1 << 2,
+  kFlagHasInitialState = 1 << 3,
+  kFlagOutputFinalState = 1 << 4,
+  kFlagStateVFirst = 1 << 5,
+};
+inline constexpr int kGateModeShift = 8;
+
+struct PrefillParams {
+  // Inputs. Token-major, row-major, contiguous; total_tokens = B * T.
+  const void* q;              // bf16 [total_tokens, num_qk_heads, 128]
+  const void* k;              // bf16 [total_tokens, num_qk_heads, 128]
+  const void* v;              // bf16 [total_tokens, num_v_heads, 128]
+  const void* g;              // bf16 [total_tokens, num_v_heads, 128]
+  const void* beta;           // bf16 [total_tokens, num_v_heads]
+  const float* a_log;         // [num_v_heads]; read for gate modes 1 and 2
+  const float* dt_bias;       // [num_v_heads * 128]; read for gate modes 1, 2, 3
+  const int32_t* cu_seqlens;  // [num_seqs + 1]; read with kFlagVarlen
+  const float* initial_state; // [num_seqs, num_v_heads, 128, 128]; read with kFlagHasInitialState
+  // Outputs.
+  void* o;                    // bf16 [total_tokens, num_v_heads, 128]
+  float* final_state;         // like initial_state (may be the same buffer); with kFlagOutputFinalState
+  void* workspace;            // workspace_bytes, 16-byte aligned
+  int64_t workspace_bytes;
+  // Sizes.
+  int64_t total_tokens;
+  int32_t num_qk_heads;
+  int32_t num_v_heads;
+  int32_t num_seqs;           // N: B for dense inputs, len(cu_seqlens) - 1 when packed
+  int32_t dense_len;          // T per sequence for dense inputs (ignored with kFlagVarlen)
+  // Flags and scalars.
+  int32_t flags;              // PrefillFlag bits | gate_mode << kGateModeShift
+  float scale;
+  float lower_bound;
+};
+
+// Workspace rows (chunk slots x value heads) the kernels use for these sizes.
+inline int64_t PrefillWorkspaceRows(int64_t total_tokens, int64_t num_seqs, int64_t num_v_heads) {
+  return (total_tokens / kPrefillChunk + num_seqs) * num_v_heads;
+}
+
+// The process-wide loader of the prefill kernel objects.
+KernelModules& PrefillModules();
+
+// Enqueues the prefill (prepare, then recurrence) on `stream`. The caller has validated `params` and
+// loaded the modules. Returns the launch status.
+cudaError_t LaunchPrefill(const PrefillParams& params, Arch arch, cudaStream_t stream);
+
+}  // namespace jax_kda
+
+#endif  // JAX_KDA_CSRC_PREFILL_H_

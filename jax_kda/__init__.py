@@ -1,0 +1,23 @@
+"""jax_kda: KDA (Kimi Delta Attention) prefill for JAX, with Hopper/Blackwell kernels.
+
+    o, final_state = jax_kda.prefill(q, k, v, g, beta, ...)
+
+`prefill` follows `fla.ops.kda.chunk_kda`'s argument names; `explain` says which backend a call
+would use and why. `backend="xla"` is pure JAX and runs anywhere.
+"""
+
+from jax_kda.api import explain, prefill
+from jax_kda.config import STATIC_ARGNAMES, GateMode, PrefillConfig
+from jax_kda.planner import RecurrencePlan, plan_prefill
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GateMode",
+    "PrefillConfig",
+    "RecurrencePlan",
+    "STATIC_ARGNAMES",
+    "explain",
+    "plan_prefill",
+    "prefill",
+]

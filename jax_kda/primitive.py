@@ -1,0 +1,148 @@
+"""The kernel backends as a JAX primitive: abstract evaluation, CUDA lowering, batching.
+
+`prefill_p` is bound with every operand present (optional ones as empty arrays, so the FFI
+handler's signature never changes) and with the validated `PrefillConfig`, the planner's
+`RecurrencePlan` and the custom-call target as static parameters. Its lowering emits one
+`stablehlo.custom_call` (XLA FFI, API version 4) whose typed attributes carry the flags and the
+plan; the handler reads them and launches the ahead-of-time compiled kernels.
+
+Results: o `[B, T, HV, V]` (q's dtype), the final state (`[N, HV, K, V]` or `[N, HV, V, K]`, fp32;
+shape `[0]` when not requested) and the kernels' workspace (uint8, `plan.workspace_bytes`; XLA
+allocates it, and `prefill` drops it). When an initial state is given and the final state is
+requested, the two share a buffer (`operand_output_aliases`), so a donated initial state is updated
+in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_kda.config import GateMode, PrefillConfig
+from jax_kda.planner import RecurrencePlan
+
+# Kernel target per backend. One target per architecture, so the HLO says which kernels run.
+FFI_TARGETS = {"sm90": "jax_kda_prefill_sm90", "sm100": "jax_kda_prefill_sm100"}
+
+OPERANDS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state")
+_INITIAL_STATE = OPERANDS.index("initial_state")
+_FINAL_STATE = 1
+
+prefill_p = Primitive("jax_kda_prefill")
+prefill_p.multiple_results = True
+
+
+def kernel_operands(cfg: PrefillConfig, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state):
+    """Puts the arrays in the form the kernels take; absent optional operands become empty arrays."""
+    f32 = jnp.float32
+    empty = lambda dtype: jnp.zeros((0,), dtype)  # noqa: E731
+    return (
+        q,
+        k,
+        v,
+        g,
+        beta,
+        empty(f32) if A_log is None else jnp.asarray(A_log, f32),
+        dt_bias_operand(cfg, dt_bias),
+        empty(jnp.int32) if cu_seqlens is None else jnp.asarray(cu_seqlens).astype(jnp.int32),
+        empty(f32) if initial_state is None else jnp.asarray(initial_state, f32),
+    )
+
+
+def dt_bias_operand(cfg: PrefillConfig, dt_bias):
+    """dt_bias as `[HV * K]` fp32; zeros when absent but the gate reads it, empty when it doesn't."""
+    if cfg.gate_mode == GateMode.PREACTIVATED:
+        return jnp.zeros((0,), jnp.float32)
+    if dt_bias is None:
+        return jnp.zeros((cfg.num_v_heads * cfg.head_k,), jnp.float32)
+    return jnp.reshape(jnp.asarray(dt_bias, jnp.float32), (-1,))
+
+
+def prefill_call(cfg: PrefillConfig, plan: RecurrencePlan, target: str, *operands):
+    """Binds the primitive. Returns (o, final_state or None)."""
+    o, final_state, _workspace = prefill_p.bind(*operands, cfg=cfg, plan=plan, target=target)
+    return o, (final_state if cfg.output_final_state else None)
+
+
+def _result_avals(cfg: PrefillConfig, plan: RecurrencePlan):
+    o = jax.core.ShapedArray((cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v), jnp.dtype(cfg.dtype))
+    state_shape = cfg.state_shape if cfg.output_final_state else (0,)
+    final_state = jax.core.ShapedArray(state_shape, jnp.float32)
+    workspace = jax.core.ShapedArray((plan.workspace_bytes,), jnp.uint8)
+    return o, final_state, workspace
+
+
+def _abstract_eval(*avals, cfg: PrefillConfig, plan: RecurrencePlan, target: str):
+    expected = {
+        "q": (cfg.batch, cfg.seqlen, cfg.num_qk_heads, cfg.head_k),
+        "k": (cfg.batch, cfg.seqlen, cfg.num_qk_heads, cfg.head_k),
+        "v": (cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v),
+        "g": (cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_k),
+        "beta": (cfg.batch, cfg.seqlen, cfg.num_v_heads),
+    }
+    for name, aval in zip(OPERANDS, avals):
+        if name in expected and tuple(aval.shape) != expected[name]:
+            raise ValueError(f"{target}: operand {name} has shape {aval.shape}, the config says {expected[name]}")
+    return _result_avals(cfg, plan)
+
+
+def _attributes(cfg: PrefillConfig, plan: RecurrencePlan) -> dict:
+    """The custom call's static attributes; numpy scalars so each gets an exact MLIR type."""
+    i32, f32 = np.int32, np.float32
+    return dict(
+        gate_mode=i32(cfg.gate_mode),
+        lower_bound=f32(cfg.lower_bound),
+        scale=f32(cfg.scale),
+        use_qk_l2norm=i32(cfg.use_qk_l2norm),
+        use_beta_sigmoid=i32(cfg.use_beta_sigmoid),
+        state_v_first=i32(cfg.state_v_first),
+        has_initial_state=i32(cfg.has_initial_state),
+        output_final_state=i32(cfg.output_final_state),
+        has_dt_bias=i32(cfg.has_dt_bias),
+        varlen=i32(cfg.varlen),
+        chunk_size=i32(plan.chunk_size),
+        v_split=i32(plan.v_split),
+        num_segments=i32(plan.num_segments),
+        segment_len=i32(plan.segment_len),
+    )
+
+
+def _lowering(ctx, *operands, cfg: PrefillConfig, plan: RecurrencePlan, target: str):
+    aliases = {}
+    if cfg.has_initial_state and cfg.output_final_state:
+        aliases = {_INITIAL_STATE: _FINAL_STATE}
+    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
+    return rule(ctx, *operands, **_attributes(cfg, plan))
+
+
+def _batch(args, dims, *, cfg: PrefillConfig, plan: RecurrencePlan, target: str):
+    """vmap: one kernel call per batch element (correct for dense and packed calls alike)."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    moved = [
+        jnp.broadcast_to(a, (size,) + a.shape) if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    results = jax.lax.map(lambda xs: prefill_p.bind(*xs, cfg=cfg, plan=plan, target=target), moved)
+    return results, (0, 0, 0)
+
+
+def _no_jvp(primals, tangents, **params):
+    raise NotImplementedError(
+        "jax_kda prefill kernels are forward-only (prefill); differentiate through backend='xla' instead"
+    )
+
+
+def _impl(*operands, cfg, plan, target):
+    return jax.jit(functools.partial(prefill_p.bind, cfg=cfg, plan=plan, target=target))(*operands)
+
+
+prefill_p.def_impl(_impl)
+prefill_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(prefill_p, _lowering, platform="cuda")
+batching.primitive_batchers[prefill_p] = _batch
+ad.primitive_jvps[prefill_p] = _no_jvp

@@ -1,0 +1,158 @@
+"""Numpy model of the SM90 KDA prefill kernels' chunked algorithm (csrc/kernels/sm90).
+
+This mirrors, step by step, what `prepare_chunks` and `chunk_recurrence` compute, with
+the same chunk size, the same exponent handling and the same rounding points (bf16 where the
+kernels feed a tensor-core MMA, fp32 elsewhere). Tests compare it against a float64
+token-by-token recurrence, which validates the math before a GPU ever runs the kernels.
+
+Conventions (all inside one sequence, one value head):
+  G[i, d]   inclusive cumsum of the log2 decay over the chunk (G <= 0, non-increasing in i)
+  fast path when min_d G[last, d] >= -FAST_PATH_RANGE: pair factors are taken relative to a
+            per-channel reference G_ref = G[last] / 2, so every factor lies in
+            [2^-(range/2), 2^(range/2)] and neither overflows nor underflows
+  slow path otherwise: 2^(G_i - G_j) evaluated element-wise for i >= j (exponent <= 0)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CHUNK = 16
+LOG2E = 1.4426950408889634
+# Chunks whose total per-channel decay (log2) stays above -FAST_PATH_RANGE use factorized
+# pair products; each factor is then bounded by 2^(FAST_PATH_RANGE / 2) = 2^100.
+FAST_PATH_RANGE = 200.0
+
+GATE_PREACTIVATED = 0
+GATE_SOFTPLUS = 1
+GATE_LOWER_BOUND_A_LOG = 2
+GATE_LOWER_BOUND = 3
+
+
+def bf16_round(x):
+    """Round float32 values to bfloat16 (round-to-nearest-even) and return them as float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32).reshape(x.shape)
+
+
+def _softplus(x):
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def log2_decay(g, gate_mode, a_log, dt_bias, lower_bound):
+    """Per-token log2 decay, fp32, from g [T, K] (one value head)."""
+    g = g.astype(np.float32)
+    if gate_mode == GATE_PREACTIVATED:
+        ln_decay = g
+    elif gate_mode == GATE_SOFTPLUS:
+        ln_decay = -np.exp(np.float32(a_log)) * _softplus(g + dt_bias)
+    elif gate_mode == GATE_LOWER_BOUND_A_LOG:
+        ln_decay = lower_bound * _sigmoid(np.exp(np.float32(a_log)) * (g + dt_bias))
+    else:
+        ln_decay = lower_bound * _sigmoid(g + dt_bias)
+    return (ln_decay * np.float32(LOG2E)).astype(np.float32)
+
+
+def prepare_chunk(q, k, v, g2, beta, scale):
+    """One chunk of `prepare_chunks`: inputs are fp32 [n, K] / [n, V] / [n] with n <= CHUNK
+    already normalized and gated (g2 = per-token log2 decay). Returns the recurrence operands
+    padded to CHUNK rows, rounded as the kernel stores them."""
+    n = q.shape[0]
+    kdim, vdim = k.shape[1], v.shape[1]
+    pad = CHUNK - n
+
+    def padrows(x):
+        return np.concatenate([x, np.zeros((pad,) + x.shape[1:], np.float32)]) if pad else x
+
+    q, k, v, g2, beta = padrows(q), padrows(k), padrows(v), padrows(g2), padrows(beta)
+    G = np.cumsum(g2, axis=0, dtype=np.float32)
+    g_last = G[-1]
+    if g_last.min() >= -FAST_PATH_RANGE:
+        ref = g_last * np.float32(0.5)
+        k_fwd = k * np.exp2(G - ref)
+        q_fwd = q * np.exp2(G - ref)
+        k_bwd = k * np.exp2(ref - G)
+        # Entries with i < j may overflow here; they are discarded below (the kernel never
+        # computes them). Entries with i >= j are bounded by |q_i| |k_j|.
+        with np.errstate(over="ignore", invalid="ignore"):
+            a_kk = k_fwd @ k_bwd.T
+            m_qk = q_fwd @ k_bwd.T
+    else:
+        decay_ij = np.exp2(np.minimum(G[:, None, :] - G[None, :, :], 0.0))
+        a_kk = np.einsum("id,jd,ijd->ij", k, k, decay_ij, dtype=np.float32)
+        m_qk = np.einsum("id,jd,ijd->ij", q, k, decay_ij, dtype=np.float32)
+    strict = np.tril(np.ones((CHUNK, CHUNK), bool), -1)
+    lower = np.where(strict, beta[:, None] * a_kk, 0.0).astype(np.float32)
+    # (I + L)^-1 by forward substitution, one row at a time, as the kernel does.
+    inv = np.zeros((CHUNK, CHUNK), np.float32)
+    for i in range(CHUNK):
+        row = np.zeros(CHUNK, np.float32)
+        row[i] = 1.0
+        for j in range(i):
+            row -= lower[i, j] * inv[j]
+        inv[i] = row
+    w = inv * beta[None, :]
+    k_dec = k * np.exp2(G)
+    neg_kw = -(w @ k_dec)
+    vw = w @ v
+    qd = scale * q * np.exp2(G)
+    kr = k * np.exp2(g_last[None, :] - G)
+    mqk = np.where(np.tril(np.ones((CHUNK, CHUNK), bool)), scale * m_qk, 0.0)
+    return dict(
+        neg_kw=bf16_round(neg_kw), qd=bf16_round(qd), kr=bf16_round(kr),
+        mqk=bf16_round(mqk), vw=vw.astype(np.float32), decay=np.exp2(g_last).astype(np.float32),
+        n=n,
+    )
+
+
+def recurrence_chunk(state, ops):
+    """One chunk of `chunk_recurrence` on an fp32 state [K, V]; returns (o [n, V] bf16-rounded, state)."""
+    s_bf = bf16_round(state)
+    u = ops["vw"] + ops["neg_kw"] @ s_bf
+    u_bf = bf16_round(u)
+    o = ops["qd"] @ s_bf + ops["mqk"] @ u_bf
+    state = ops["decay"][:, None] * state + ops["kr"].T @ u_bf
+    return bf16_round(o[: ops["n"]]), state.astype(np.float32)
+
+
+def normalize(x):
+    x = x.astype(np.float32)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(1e-6))
+
+
+def chunked_prefill(q, k, v, g, beta, *, scale, initial_state=None, gate_mode=GATE_PREACTIVATED,
+                    a_log=None, dt_bias=None, lower_bound=-5.0, use_qk_l2norm=False,
+                    use_beta_sigmoid=False):
+    """Model of the kernels for one sequence. q, k [T, H, K]; v, g [T, HV, *]; beta [T, HV];
+    initial_state [HV, K, V]. Returns o [T, HV, V] and the final state [HV, K, V] (fp32)."""
+    t_len, h_q, kdim = q.shape
+    hv_count, vdim = v.shape[1], v.shape[2]
+    group = hv_count // h_q
+    o = np.zeros((t_len, hv_count, vdim), np.float32)
+    final = np.zeros((hv_count, kdim, vdim), np.float32)
+    for hv in range(hv_count):
+        qh, kh = q[:, hv // group].astype(np.float32), k[:, hv // group].astype(np.float32)
+        if use_qk_l2norm:
+            qh, kh = normalize(qh), normalize(kh)
+        bh = beta[:, hv].astype(np.float32)
+        if use_beta_sigmoid:
+            bh = _sigmoid(bh).astype(np.float32)
+        g2 = log2_decay(g[:, hv], gate_mode,
+                        0.0 if a_log is None else a_log[hv],
+                        np.zeros(kdim, np.float32) if dt_bias is None else dt_bias[hv],
+                        np.float32(lower_bound))
+        state = (np.zeros((kdim, vdim), np.float32) if initial_state is None
+                 else initial_state[hv].astype(np.float32))
+        for c0 in range(0, t_len, CHUNK):
+            c1 = min(c0 + CHUNK, t_len)
+            ops = prepare_chunk(qh[c0:c1], kh[c0:c1], v[c0:c1, hv].astype(np.float32),
+                                g2[c0:c1], bh[c0:c1], np.float32(scale))
+            o[c0:c1, hv], state = recurrence_chunk(state, ops)
+        final[hv] = state
+    return o, final

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs jax_kda's GPU checks on a machine with an NVIDIA GPU from an already-built wheel: it builds
+# nothing. Installs the wheel into a private directory (no dependencies: the machine's jax/jaxlib
+# with CUDA are used), then runs the GPU tests, the compute-sanitizer checks and the demo.
+#
+#   tests/run_gpu.sh dist/jax_kda-*.whl [LOG_DIR]
+#
+# Exits non-zero if any step fails; logs go to LOG_DIR (default ./gpu-logs).
+set -uo pipefail
+wheel=${1:?usage: tests/run_gpu.sh WHEEL [LOG_DIR]}
+logs=${2:-gpu-logs}
+here=$(cd "$(dirname "$0")/.." && pwd)
+site=$(mktemp -d)
+logs=$(mkdir -p "$logs" && cd "$logs" && pwd)
+python3 -m pip install -q --no-index --no-deps --target "$site" "$wheel" || exit 1
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+cd "$site"  # import jax_kda from the wheel, not from a source tree
+status=0
+step() {  # step NAME COMMAND...: runs, logs, records failure
+  local name=$1; shift
+  echo "== $name"
+  if "$@" >"$logs/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (see $logs/$name.log)"; tail -30 "$logs/$name.log"; status=1; fi
+}
+nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
+step gpu-tests python3 -m pytest -q -m gpu -rs "$here/tests" -p no:cacheprovider
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+for tool in memcheck racecheck; do
+  step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 "$here/tests/sanitize_prefill.py"
+done
+step demo python3 "$here/examples/demo.py"
+tail -5 "$logs/demo.log"
+exit $status

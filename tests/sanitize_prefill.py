@@ -1,0 +1,36 @@
+"""Small sm90 prefill calls for compute-sanitizer (memcheck, racecheck): run by tests/run_gpu.sh.
+
+    compute-sanitizer --tool memcheck python tests/sanitize_prefill.py
+
+Covers packed sequences with zero-length ones and partial 16-token tiles, H = 12, T = 17, dense
+B > 1, no initial state, and the in-place (aliased) state. Exits non-zero if a result is off.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import jax_kda
+from jax_kda import gold
+from jax_kda.testing import Workload, as_numpy64, gold_kwargs, make_inputs
+
+D = dict(head_k=128, head_v=128)
+CASES = [
+    Workload("packed_h12", seqlens=(17, 0, 33, 1, 0), heads=12, **D),
+    Workload("dense_t17_b2", batch=2, seqlen=17, heads=2, gate="softplus", **D),
+    Workload("pre_minus60_no_state", seqlen=40, heads=1, gate="preactivated", decay_floor=-60.0,
+             initial_state=False, state_v_first=True, **D),
+]
+
+failed = False
+for w in CASES:
+    args, kwargs = make_inputs(w, np.random.default_rng())
+    o, final = jax_kda.prefill(*args, backend="sm90", **kwargs)
+    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
+    o_err = gold.err_ratio(np.asarray(o, np.float32), gold_o)
+    s_err = gold.err_ratio(np.asarray(final), gold_final)
+    print(f"{w.name}: o {o_err:.2e} state {s_err:.2e}")
+    failed |= not (o_err <= 5e-3 and s_err <= 5e-3)
+sys.exit(1 if failed else 0)

@@ -1,0 +1,172 @@
+"""backend="sm90": the Hopper kernels against the float64 recurrence, on a GPU (marked `gpu`).
+
+The matrix is SPEC.md section 5 at the kernels' shape (K = V = 128, bf16): both gate forms and
+pre-activated gates down to -60 per token, long memory, T = 0, 1, 15, 16, 17, 33 and long, H = 1
+and H = 12, packed sequences with zero-length ones, B > 1, both state layouts. Plus the FFI
+contract: inside a jitted program with other ops (command buffers), new buffers on every call,
+bitwise-identical results run to run, the initial state donated and updated in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kda
+from jax_kda import gold
+from jax_kda.testing import Workload, as_numpy64, gold_kwargs, make_inputs
+
+pytestmark = pytest.mark.gpu
+
+BAR = 5e-3  # SPEC.md section 5, tests
+D = dict(head_k=128, head_v=128)
+
+
+def _hopper():
+    d = jax.devices()[0]
+    return d.platform == "gpu" and getattr(d, "compute_capability", None) == "9.0"
+
+
+requires_hopper = pytest.mark.skipif(not _hopper(), reason="needs a compute capability 9.0 GPU")
+
+W = Workload
+CASES = [
+    W("t0", seqlen=0, **D),
+    W("t1", seqlen=1, **D),
+    W("t15", seqlen=15, **D),
+    W("t16", seqlen=16, **D),
+    W("t17", seqlen=17, **D),
+    W("t33_h1", seqlen=33, heads=1, **D),
+    W("h12_t100", seqlen=100, heads=12, **D),
+    W("batch3_t70", batch=3, seqlen=70, **D),
+    W("softplus", seqlen=300, gate="softplus", **D),
+    W("lower_bound_no_a_log", seqlen=300, gate="lower_bound_no_a_log", **D),
+    W("pre_minus30", seqlen=300, gate="preactivated", decay_floor=-30.0, **D),
+    W("pre_minus60", seqlen=300, gate="preactivated", decay_floor=-60.0, **D),
+    W("long_memory_lb", seqlen=4096, heads=2, long_memory=True, lower_bound=-1.0, **D),
+    W("long_memory_softplus", seqlen=2048, heads=2, gate="softplus", long_memory=True, **D),
+    W("gqa_v_first", seqlen=200, heads=2, v_heads=8, state_v_first=True, **D),
+    W("no_initial_state", seqlen=100, initial_state=False, **D),
+    W("no_final_state", seqlen=100, output_final_state=False, **D),
+    W("flags_off", seqlen=100, l2norm=False, beta_sigmoid=False, gate="preactivated", **D),
+    W("packed_mixed", seqlens=(13, 0, 64, 1, 100, 0, 31, 16, 17), heads=3, v_heads=12, **D),
+    W("packed_leading_empty", seqlens=(0, 0, 250, 17), gate="softplus", state_v_first=True, **D),
+    W("packed_all_empty", seqlens=(0, 0), **D),
+]
+
+
+def _run(w: Workload, seed: int, **extra):
+    args, kwargs = make_inputs(w, np.random.default_rng(seed))
+    o, final = jax_kda.prefill(*args, backend="sm90", **kwargs, **extra)
+    return args, kwargs, o, final
+
+
+@requires_hopper
+@pytest.mark.parametrize("w", CASES, ids=lambda w: w.name)
+def test_kernel_matches_float64_recurrence(w, fresh_seed):
+    args, kwargs, o, final = _run(w, fresh_seed)
+    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
+    o32 = np.asarray(jnp.asarray(o, jnp.float32))
+    assert o.dtype == jnp.bfloat16 and o.shape == gold_o.shape
+    assert np.all(np.isfinite(o32))
+    o_err = gold.err_ratio(o32, gold_o)
+    print(f"{w.name}: o err_ratio {o_err:.2e}")
+    assert o_err <= BAR
+    if w.output_final_state:
+        s_err = gold.err_ratio(np.asarray(final), gold_final)
+        print(f"{w.name}: state err_ratio {s_err:.2e}")
+        assert final.dtype == jnp.float32 and s_err <= BAR
+    else:
+        assert final is None
+
+
+@requires_hopper
+def test_packed_tokens_never_leak_between_sequences(fresh_seed):
+    """Changing one sequence's inputs changes no other sequence's outputs or states, bit for bit."""
+    w = W("packed", seqlens=(40, 0, 17, 33), **D)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    o1, f1 = jax_kda.prefill(*args, backend="sm90", **kwargs)
+    cu = np.asarray(kwargs["cu_seqlens"])
+    lo, hi = int(cu[2]), int(cu[3])  # the third sequence (17 tokens)
+    changed = [x.at[:, lo:hi].set(x[:, lo:hi] * 0.5 + 0.25) for x in args]
+    o2, f2 = jax_kda.prefill(*changed, backend="sm90", **kwargs)
+    o1, o2 = np.asarray(jnp.asarray(o1, jnp.float32)), np.asarray(jnp.asarray(o2, jnp.float32))
+    np.testing.assert_array_equal(o1[:, :lo], o2[:, :lo])
+    np.testing.assert_array_equal(o1[:, hi:], o2[:, hi:])
+    for n in (0, 1, 3):
+        np.testing.assert_array_equal(np.asarray(f1[n]), np.asarray(f2[n]))
+
+
+@requires_hopper
+def test_bitwise_identical_run_to_run(fresh_seed):
+    w = W("det", seqlens=(100, 0, 37), heads=12, **D)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    first = jax_kda.prefill(*args, backend="sm90", **kwargs)
+    for _ in range(3):
+        again = jax_kda.prefill(*args, backend="sm90", **kwargs)
+        np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(again[0]))
+        np.testing.assert_array_equal(np.asarray(first[1]), np.asarray(again[1]))
+
+
+@requires_hopper
+def test_inside_a_jitted_program_with_new_buffers_every_call(fresh_seed):
+    """Surrounded by other ops (so XLA may put the call in a command buffer), called repeatedly
+    with freshly allocated inputs; each result checked against the gold."""
+    w = W("graph", seqlens=(64, 0, 50), heads=2, gate="softplus", **D)
+    rng = np.random.default_rng(fresh_seed)
+    args, kwargs = make_inputs(w, rng)
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in kwargs.items() if k not in arrays}
+
+    @jax.jit
+    def layer(a, kw):
+        q, k, v, g, beta = a
+        q = (q.astype(jnp.float32) * 1.0).astype(q.dtype)  # ops before and after the custom call
+        k = jnp.flip(jnp.flip(k, 1), 1)
+        o, final = jax_kda.prefill(q, k, v, g, beta, **kw, **static, backend="sm90")
+        return o.astype(jnp.float32) + 0.0, final * 1.0, jnp.sum(final)
+
+    for i in range(4):
+        a, kw = make_inputs(w, rng) if i else (args, kwargs)
+        kw = {k: v for k, v in kw.items() if k in arrays}
+        o, final, total = layer(a, kw)
+        gold_o, gold_final = gold.recurrence(*as_numpy64(a), **gold_kwargs({**static, **kw}))
+        assert gold.err_ratio(np.asarray(o), gold_o) <= BAR
+        assert gold.err_ratio(np.asarray(final), gold_final) <= BAR
+        np.testing.assert_allclose(float(total), float(np.sum(np.asarray(final))), rtol=1e-5)
+
+
+@requires_hopper
+def test_donated_initial_state_is_updated_in_place(fresh_seed):
+    w = W("donate", seqlen=64, batch=2, **D)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    state = kwargs.pop("initial_state")
+    expected = jax_kda.prefill(*args, backend="sm90", initial_state=state, **kwargs)[1]
+    step = jax.jit(
+        lambda s, a: jax_kda.prefill(*a, backend="sm90", initial_state=s, **kwargs)[1], donate_argnums=0
+    )
+    donated = jnp.array(state)
+    pointer = donated.unsafe_buffer_pointer()
+    new_state = step(donated, args)
+    assert new_state.unsafe_buffer_pointer() == pointer  # the kernel wrote the final state in place
+    assert donated.is_deleted()
+    np.testing.assert_array_equal(np.asarray(new_state), np.asarray(expected))
+
+
+@requires_hopper
+def test_auto_uses_the_kernel_on_hopper():
+    x = jax.ShapeDtypeStruct((1, 32, 2, 128), jnp.bfloat16)
+    beta = jax.ShapeDtypeStruct((1, 32, 2), jnp.bfloat16)
+    d = jax_kda.explain(x, x, x, x, beta)
+    assert d.backend == "sm90", str(d)
+
+
+@requires_hopper
+def test_kernel_agrees_with_xla_path(fresh_seed):
+    w = W("vs_xla", seqlens=(300, 5, 129), heads=4, gate="lower_bound", **D)
+    args, kwargs, o, final = _run(w, fresh_seed)
+    o_x, final_x = jax_kda.prefill(*args, backend="xla", **kwargs)
+    assert gold.err_ratio(np.asarray(jnp.asarray(o, jnp.float32)), np.asarray(jnp.asarray(o_x, jnp.float32))) < BAR
+    assert gold.err_ratio(np.asarray(final), np.asarray(final_x)) < BAR
