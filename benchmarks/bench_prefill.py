@@ -2,6 +2,7 @@
 
     python benchmarks/bench_prefill.py --out results/          # every case, jax_kda + FLA
     python benchmarks/bench_prefill.py --cases h96_fixed8k --xla --out results/
+    python benchmarks/bench_prefill.py --merge a/results.json b/results.json --out merged/
 
 How it measures (printed with the results): for each implementation, K back-to-back calls on K
 different input sets (enough sets that they exceed 4x the 60 MB L2, so no call finds its inputs
@@ -36,6 +37,12 @@ from jax_kda.testing import BENCHMARK_GRID, Workload, hbm_floor_bytes, make_inpu
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy on the H200 (shared/GPU.md)
 L2_BYTES = 60 * 2**20
+# FlashKDA's times from shared/BENCHMARKS.md (same GPU model, NOT this run: it is a CUTLASS build we
+# do not ship). Shown for reference next to the same-run FLA comparison.
+FLASHKDA_US = dict(
+    h96_fixed8k=1408, h96_mixed=1394, h96_8x1k=1194, h64_fixed8k=1190, h64_fixed1k=183,
+    h32_fixed8k=985, h32_fixed32k=3794, h12_fixed8k=858, h8_fixed64k=6351, h16_8x4k=853,
+)
 METHOD = (
     "K back-to-back calls on K distinct input sets (> 4x L2), one sync, wall time / K; "
     "median of --reps measurements after warm-up; same method for every implementation"
@@ -164,13 +171,17 @@ def run_case(w: Workload, args, rng) -> dict:
 def write_report(rows, out: pathlib.Path, device: str):
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(dict(device=device, method=METHOD, rows=rows), indent=1))
-    header = "| case | tokens | H | plan (V-split, segments) | jax_kda µs | FLA µs | jax_kda / FLA speedup | XLA path µs | HBM floor µs | floor / jax_kda |"
-    lines = [header, "|" + "---|" * 10]
+    header = (
+        "| case | tokens | H | plan (V-split, segments) | jax_kda µs | FLA µs | speedup vs FLA "
+        "| FlashKDA µs (BENCHMARKS.md) | speedup vs FlashKDA | XLA path µs | HBM floor µs | floor / jax_kda |"
+    )
+    lines = [header, "|" + "---|" * 12]
     for r in rows:
         fmt = lambda key, spec=".0f": format(r[key], spec) if key in r else "—"  # noqa: E731
         lines.append(
             f"| {r['case']} | {r['tokens']} | {r['heads']} | {r['plan']['v_split']}, {r['plan']['num_segments']} "
-            f"| {fmt('jax_kda_us')} | {fmt('fla_us')} | {fmt('speedup_vs_fla', '.2f')} | {fmt('xla_us')} "
+            f"| {fmt('jax_kda_us')} | {fmt('fla_us')} | {fmt('speedup_vs_fla', '.2f')} "
+            f"| {FLASHKDA_US.get(r['case'], '—')} | {FLASHKDA_US[r['case']] / r['jax_kda_us']:.2f} | {fmt('xla_us')} "
             f"| {fmt('hbm_floor_us')} | {fmt('floor_fraction', '.1%')} |"
         )
     table = "\n".join(lines)
@@ -190,6 +201,8 @@ def write_report(rows, out: pathlib.Path, device: str):
             ax.bar(x + i * width, [r.get(key, np.nan) for r in rows], width, label=label)
         ax.scatter(x + 0.4 - width / 2, [r["hbm_floor_us"] for r in rows], marker="_", s=400, c="k",
                    label="HBM floor", zorder=3)
+        ax.scatter(x + 0.4 - width / 2, [FLASHKDA_US.get(r["case"], np.nan) for r in rows], marker="*", s=80,
+                   c="crimson", label="FlashKDA (BENCHMARKS.md, not this run)", zorder=3)
         ax.set_yscale("log")
         ax.set_xticks(x + 0.4 - width / 2, [r["case"] for r in rows], rotation=30, ha="right")
         ax.set_ylabel("µs per call (log)")
@@ -210,7 +223,19 @@ def main():
     parser.add_argument("--fla", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--xla", action="store_true", help="also time backend='xla'")
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--merge", nargs="+", type=pathlib.Path, help="only merge earlier results.json files")
     args = parser.parse_args()
+
+    if args.merge:
+        runs = [json.loads(p.read_text()) for p in args.merge]
+        merged = {}
+        for run in runs:  # a later file's row for a case (or a later field) wins
+            for row in run["rows"]:
+                merged[row["case"]] = {**merged.get(row["case"], {}), **row}
+        order = [w.name for w in BENCHMARK_GRID]
+        rows = sorted(merged.values(), key=lambda r: order.index(r["case"]))
+        print(write_report(rows, args.out, runs[-1]["device"]))
+        return
 
     by_name = {w.name: w for w in BENCHMARK_GRID}
     device = jax.devices()[0].device_kind

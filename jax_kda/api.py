@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 
@@ -123,19 +124,12 @@ def explain(q, k, v, g, beta, **kwargs) -> dispatch.Decision:
     return dispatch.Decision(requested, "unavailable" if reasons else requested, tuple(reasons), device)
 
 
-_DEFAULTS = dict(
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    use_qk_l2norm_in_kernel=False,
-    use_gate_in_kernel=False,
-    A_log=None,
-    dt_bias=None,
-    lower_bound=None,
-    use_beta_sigmoid_in_kernel=False,
-    state_v_first=False,
-)
+# prefill's keyword arguments and their defaults, for explain().
+_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(prefill).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "backend"
+}
 
 
 def _with_defaults(kwargs: dict) -> dict:

@@ -170,3 +170,54 @@ def test_kernel_agrees_with_xla_path(fresh_seed):
     o_x, final_x = jax_kda.prefill(*args, backend="xla", **kwargs)
     assert gold.err_ratio(np.asarray(jnp.asarray(o, jnp.float32)), np.asarray(jnp.asarray(o_x, jnp.float32))) < BAR
     assert gold.err_ratio(np.asarray(final), np.asarray(final_x)) < BAR
+
+
+_GRAPH_SCRIPT = r"""
+import sys, numpy as np, jax, jax.numpy as jnp
+import jax_kda
+from jax_kda import gold
+from jax_kda.testing import Workload, as_numpy64, gold_kwargs, make_inputs
+
+w = Workload("graph", seqlens=(40, 0, 70), heads=2, gate="softplus", head_k=128, head_v=128)
+rng = np.random.default_rng(int(sys.argv[1]))
+arrays_of = lambda kw: {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+_, kw0 = make_inputs(w, rng)
+static = {k: v for k, v in kw0.items() if k not in arrays_of(kw0)}
+
+@jax.jit
+def layer(a, kw):
+    o, final = jax_kda.prefill(*a, **kw, **static, backend="sm90")
+    return jnp.tanh(o.astype(jnp.float32)), final * 2.0
+
+a, kw = make_inputs(w, rng)
+text = layer.lower(a, arrays_of(kw)).compile().as_text()
+print("command_buffer in compiled HLO:", "command_buffer" in text)
+for i in range(4):
+    a, kw = make_inputs(w, rng)  # new buffers every call: XLA must re-record or update the graph
+    o, final = layer(a, arrays_of(kw))
+    gold_o, gold_final = gold.recurrence(*as_numpy64(a), **gold_kwargs({**static, **arrays_of(kw)}))
+    e_o = gold.err_ratio(np.asarray(o), np.tanh(gold_o))
+    e_s = gold.err_ratio(np.asarray(final), 2.0 * gold_final)
+    print(f"call {i}: o {e_o:.2e} state {e_s:.2e}")
+    assert e_o <= 5e-3 and e_s <= 5e-3
+"""
+
+
+@requires_hopper
+def test_correct_inside_a_cuda_graph(fresh_seed, tmp_path):
+    """With XLA told to put custom calls into command buffers (CUDA graphs) from one command on,
+    repeated calls with new input buffers stay correct."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+    )
+    script = tmp_path / "graph.py"
+    script.write_text(_GRAPH_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(fresh_seed)], env=env, capture_output=True, text=True)
+    print(run.stdout, run.stderr[-3000:])
+    assert run.returncode == 0
+    assert run.stdout.count("call ") == 4

@@ -31,6 +31,14 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
+from sm90.prepare_chunks import (
+    FLAG_HAS_INITIAL_STATE,
+    FLAG_OUTPUT_FINAL_STATE,
+    FLAG_STATE_V_FIRST,
+    FLAG_VARLEN,
+    sequence_bounds,
+)
+
 CHUNK = 16
 HEAD_DIM = 128
 V_SLICE = 64
@@ -171,14 +179,8 @@ class ChunkRecurrence:
         s_dec = storage.s_dec.get_tensor(decay_layout)
         s_out = storage.s_out.get_tensor(out_layout)
 
-        varlen = (flags & (1 << 2)) != 0
-        bos = seq * dense_len
-        eos = bos + dense_len
-        if varlen:
-            bos = cu_seqlens[seq]
-            eos = cu_seqlens[seq + 1]
-        bos = cutlass.min(cutlass.max(bos, 0), total_tokens)
-        eos = cutlass.min(cutlass.max(eos, bos), total_tokens)
+        varlen = (flags & FLAG_VARLEN) != 0
+        bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, varlen)
         num_chunks = (eos - bos + CHUNK - 1) // CHUNK
         slot0 = bos // CHUNK + seq
 
@@ -229,9 +231,9 @@ class ChunkRecurrence:
             a_s = cute.make_rmem_tensor(_acc_as_operand_layout(acc_s.layout, a_value_shape), cutlass.BFloat16)
             a_u = cute.make_rmem_tensor(_acc_as_operand_layout(acc_u.layout, a_value_shape), cutlass.BFloat16)
 
-            state_v_first = (flags & (1 << 5)) != 0
+            state_v_first = (flags & FLAG_STATE_V_FIRST) != 0
             acc_s.fill(0.0)
-            if (flags & (1 << 3)) != 0:
+            if (flags & FLAG_HAS_INITIAL_STATE) != 0:
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     vv, kk = crd_s[e]
                     if state_v_first:
@@ -288,7 +290,7 @@ class ChunkRecurrence:
                     for e in cutlass.range_constexpr(8):
                         o[t, hv, v0 + part * 8 + e] = s_out[tok, part * 8 + e, buf]
 
-            if (flags & (1 << 4)) != 0:
+            if (flags & FLAG_OUTPUT_FINAL_STATE) != 0:
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     vv, kk = crd_s[e]
                     if state_v_first:

@@ -27,15 +27,7 @@ from sm90 import chunk_recurrence, prepare_chunks
 CHUNK = 16
 HEAD_DIM = 128
 WORKSPACE_BYTES_PER_SLOT_HEAD = 3 * 4096 + 8192 + 512 + 512
-
-# Flag bits (runtime `flags` argument); csrc/prefill.h mirrors them.
-FLAG_QK_L2NORM = 1 << 0
-FLAG_BETA_SIGMOID = 1 << 1
-FLAG_VARLEN = 1 << 2
-FLAG_HAS_INITIAL_STATE = 1 << 3
-FLAG_OUTPUT_FINAL_STATE = 1 << 4
-FLAG_STATE_V_FIRST = 1 << 5
-GATE_MODE_SHIFT = 8
+# The runtime `flags` bits are defined in prepare_chunks.py (FLAG_*); csrc/prefill.h mirrors them.
 
 _BF16, _F32 = cutlass.BFloat16, cutlass.Float32
 
