@@ -162,13 +162,20 @@ def run_case(w: Workload, args, rng) -> dict:
     row["jax_kda_us"] = time_jax(sets, static, args.backend, args.reps)[0] * 1e6
     if args.xla:
         row["xla_us"] = time_jax(sets, static, "xla", max(args.reps // 4, 3))[0] * 1e6
-    row["floor_fraction"] = row["hbm_floor_us"] / row["jax_kda_us"]
-    if "fla_us" in row:
-        row["speedup_vs_fla"] = row["fla_us"] / row["jax_kda_us"]
     return row
 
 
+def with_ratios(row: dict) -> dict:
+    """The row plus its derived ratios (recomputed, so merged rows stay consistent)."""
+    out = dict(row, floor_fraction=row["hbm_floor_us"] / row["jax_kda_us"])
+    out.pop("speedup_vs_fla", None)
+    if "fla_us" in row:
+        out["speedup_vs_fla"] = row["fla_us"] / row["jax_kda_us"]
+    return out
+
+
 def write_report(rows, out: pathlib.Path, device: str):
+    rows = [with_ratios(r) for r in rows]
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(dict(device=device, method=METHOD, rows=rows), indent=1))
     header = (

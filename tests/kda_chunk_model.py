@@ -1,8 +1,9 @@
 """Numpy model of the SM90 KDA prefill kernels' chunked algorithm (csrc/kernels/sm90).
 
 This mirrors, step by step, what `prepare_chunks` and `chunk_recurrence` compute, with
-the same chunk size, the same exponent handling and the same rounding points (bf16 where the
-kernels feed a tensor-core MMA, fp32 elsewhere). Tests compare it against a float64
+the same chunk size, the same exponent handling and the same rounding points: bf16 where the
+recurrence feeds a tensor-core MMA, TF32 (round to nearest, ties away) where `prepare_chunks` does,
+fp32 elsewhere. Tests compare it against a float64
 token-by-token recurrence, which validates the math before a GPU ever runs the kernels.
 
 Conventions (all inside one sequence, one value head):
@@ -10,7 +11,9 @@ Conventions (all inside one sequence, one value head):
   fast path when min_d G[last, d] >= -FAST_PATH_RANGE: pair factors are taken relative to a
             per-channel reference G_ref = G[last] / 2, so every factor lies in
             [2^-(range/2), 2^(range/2)] and neither overflows nor underflows
-  slow path otherwise: 2^(G_i - G_j) evaluated element-wise for i >= j (exponent <= 0)
+  slow path otherwise: 2^(G_i - G_j) evaluated element-wise for i >= j (exponent <= 0), fp32
+  TF32 operands (prepare_chunks' mma.sync m16n8k8): the fast path's three factor tiles, and on both
+            paths W and k 2^G; v is bf16, exact in TF32; all products accumulate in fp32
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ def bf16_round(x):
     bits = x.view(np.uint32).astype(np.uint64)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return rounded.astype(np.uint32).view(np.float32).reshape(x.shape)
+
+
+def tf32_round(x):
+    """Round float32 values to TF32 as cvt.rna.tf32.f32 does (10 mantissa bits, nearest, ties
+    away from zero) and return them as float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).reshape(x.shape)
 
 
 def _softplus(x):
@@ -75,18 +86,24 @@ def prepare_chunk(q, k, v, g2, beta, scale):
     g_last = G[-1]
     if g_last.min() >= -FAST_PATH_RANGE:
         ref = g_last * np.float32(0.5)
-        k_fwd = k * np.exp2(G - ref)
-        q_fwd = q * np.exp2(G - ref)
-        k_bwd = k * np.exp2(ref - G)
-        # Entries with i < j may overflow here; they are discarded below (the kernel never
-        # computes them). Entries with i >= j are bounded by |q_i| |k_j|.
+        ref_scale = np.exp2(ref)                      # 2^G = 2^(G - ref) 2^ref
+        up, down = np.exp2(G - ref), np.exp2(ref - G)
+        left, query, right = k * up, q * up, k * down
+        # Entries with i < j may overflow here; they are discarded below (the kernel selects
+        # them away). Entries with i >= j are bounded by |q_i| |k_j|.
         with np.errstate(over="ignore", invalid="ignore"):
-            a_kk = k_fwd @ k_bwd.T
-            m_qk = q_fwd @ k_bwd.T
+            a_kk = tf32_round(left) @ tf32_round(right).T
+            m_qk = tf32_round(query) @ tf32_round(right).T
+        qd = query * (np.float32(scale) * ref_scale)
+        kr = right * ref_scale
+        k_dec = left * ref_scale
     else:
         decay_ij = np.exp2(np.minimum(G[:, None, :] - G[None, :, :], 0.0))
         a_kk = np.einsum("id,jd,ijd->ij", k, k, decay_ij, dtype=np.float32)
         m_qk = np.einsum("id,jd,ijd->ij", q, k, decay_ij, dtype=np.float32)
+        qd = scale * q * np.exp2(G)
+        kr = k * np.exp2(g_last[None, :] - G)
+        k_dec = k * np.exp2(G)
     strict = np.tril(np.ones((CHUNK, CHUNK), bool), -1)
     lower = np.where(strict, beta[:, None] * a_kk, 0.0).astype(np.float32)
     # (I + L)^-1 by forward substitution, one row at a time, as the kernel does.
@@ -97,12 +114,9 @@ def prepare_chunk(q, k, v, g2, beta, scale):
         for j in range(i):
             row -= lower[i, j] * inv[j]
         inv[i] = row
-    w = inv * beta[None, :]
-    k_dec = k * np.exp2(G)
-    neg_kw = -(w @ k_dec)
+    w = tf32_round(inv * beta[None, :])
+    neg_kw = -(w @ tf32_round(k_dec))
     vw = w @ v
-    qd = scale * q * np.exp2(G)
-    kr = k * np.exp2(g_last[None, :] - G)
     mqk = np.where(np.tril(np.ones((CHUNK, CHUNK), bool)), scale * m_qk, 0.0)
     return dict(
         neg_kw=bf16_round(neg_kw), qd=bf16_round(qd), kr=bf16_round(kr),

@@ -131,3 +131,14 @@ def test_slow_path_is_taken_for_strong_decay_and_fast_path_for_lower_bound_gate(
     assert np.cumsum(per_token_lb, 0)[-1].min() >= -model.FAST_PATH_RANGE
     per_token_strong = np.full((model.CHUNK, K), -60.0 * model.LOG2E, np.float32)
     assert np.cumsum(per_token_strong, 0)[-1].min() < -model.FAST_PATH_RANGE
+
+
+def test_tf32_round_keeps_ten_mantissa_bits_rounding_ties_away_from_zero():
+    """The model's TF32 rounding is cvt.rna.tf32.f32: nearest, ties away, low 13 bits zero."""
+    ulp = 2.0 ** -10  # TF32 spacing in [1, 2); it is 2 ulp in [2, 4)
+    x = np.array([1 + ulp / 2, -(1 + ulp / 2), 1 + ulp / 2 - 2.0 ** -23, 3 + ulp, 3 + ulp / 2],
+                 np.float32)
+    expected = np.array([1 + ulp, -(1 + ulp), 1, 3 + 2 * ulp, 3], np.float32)
+    rounded = model.tf32_round(x)
+    assert np.array_equal(rounded, expected)
+    assert np.all(rounded.view(np.uint32) & np.uint32(0x1FFF) == 0)

@@ -1,12 +1,13 @@
 """KDA prefill, SM90, kernel 1 of 2: `prepare_chunks`, the token-parallel half.
 
-One CTA per (chunk slot, value head): 128 threads, thread d owns key/value channel d. It turns
-the raw inputs of one 16-token chunk into the operands of the serial recurrence
-(`chunk_recurrence.py`), all independent of the state:
+One CTA per (chunk slot, value head): 128 threads. In the element-wise phases thread d owns
+key/value channel d; the 16 x 16 and 16 x 128 products run on tensor cores (warp-level
+`mma.sync m16n8k8` TF32, fp32 accumulate). It turns the raw inputs of one 16-token chunk into the
+operands of the serial recurrence (`chunk_recurrence.py`), all independent of the state:
 
     G        inclusive cumsum of the log2 decay over the chunk           (registers, fp32)
     L        strictly lower beta_i * sum_d k_i k_j 2^(G_i - G_j)          (smem, fp32)
-    W        (I + L)^-1 diag(beta)                                        (smem, fp32)
+    W        (I + L)^-1 diag(beta), rounded to TF32                       (smem)
     neg_kw   -W (k * 2^G)            [16, 128] bf16   B operand of  U^T = Vw^T + S^T neg_kw^T
     vw       W v                     [16, 128] fp32   initial accumulator of U^T
     qd       scale * q * 2^G         [16, 128] bf16   B operand of  O^T = S^T qd^T + ...
@@ -17,8 +18,20 @@ the raw inputs of one 16-token chunk into the operands of the serial recurrence
 Exactness: every exponent used is <= 0 except in the factorized fast path, which is taken only
 when the whole chunk's decay satisfies min_d G_last[d] >= -FAST_PATH_RANGE; its factors are
 then taken relative to G_ref = G_last / 2 and lie within 2^(+-FAST_PATH_RANGE/2). Otherwise the
-pair products use 2^(G_i - G_j) element-wise (i >= j). tests/kda_chunk_model.py is the numpy
-model of exactly this file.
+pair products use 2^(G_i - G_j) element-wise (i >= j, fp32 on CUDA cores).
+
+Rounding (tests/kda_chunk_model.py models it exactly): the fast path's factors k 2^(G-ref),
+q 2^(G-ref), k 2^(ref-G) and, on both paths, W and k 2^G are rounded to TF32 (round to nearest,
+ties away) as tensor-core operands; v is bf16, hence exact in TF32. Products accumulate in fp32.
+
+Phases (four CTA barriers):
+    1  load q, k, v, g (thread d: channel d, 16 tokens), gate, cumsum; l2-norm partial sums
+       (transposed warp reduction) and the fast-path vote                          -> barrier
+    2  l2 norms; factor tiles into smem; qd, kr to global                          -> barrier
+    3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2) -> barrier
+    4  warp 0: forward substitution for W; every thread: its channel of k 2^G and v as
+       token-contiguous rows (over the factor tiles, now free)                   -> barrier
+    5  W application: warp w computes channels 32 w .. 32 w + 31 of neg_kw and vw
 
 Chunk slots: sequence n (tokens [bos_n, eos_n)) owns slots base(n) + c for its chunks c, with
 base(n) = bos_n // 16 + n. Slots never overlap and all lie below total_tokens // 16 + N, which
@@ -27,11 +40,11 @@ is the workspace row count (see README.md). Slots that belong to no chunk exit a
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
 
 CHUNK = 16
 HEAD_DIM = 128
@@ -39,9 +52,13 @@ THREADS = 128
 WARPS = THREADS // 32
 LOG2E = 1.4426950408889634
 FAST_PATH_RANGE = 200.0
-# fp32 rows padded by 4 words so that 8 threads reading 8 different rows at the same column
-# hit 8 different bank quadruples.
-ROW_PITCH = HEAD_DIM + 4
+# Factor tiles [16 tokens, 128 channels] fp32, rows padded to 132 words: the MMA fragment reads
+# (8 rows x 4 columns per instruction) hit 32 different banks.
+FACTOR_PITCH = HEAD_DIM + 4
+# Token-contiguous tiles [128 channels, 16 tokens] and W [16, 16]: rows padded to 20 words, so
+# that fragment reads (8 rows x 4 columns) and 16-byte row writes are conflict-free.
+OPERAND_PITCH = CHUNK + 4
+MMA_K = 8  # m16n8k8 TF32
 
 # Bits of the runtime `flags` argument shared by both kernels.
 FLAG_QK_L2NORM = 1 << 0
@@ -52,11 +69,16 @@ FLAG_OUTPUT_FINAL_STATE = 1 << 4
 FLAG_STATE_V_FIRST = 1 << 5
 GATE_MODE_SHIFT = 8  # bits 8..9: 0 pre-activated, 1 softplus, 2 lower-bound*sigmoid(exp(A)x), 3 lower-bound*sigmoid(x)
 
+FACTOR_TILES_BYTES = 3 * CHUNK * FACTOR_PITCH * 4      # k/q/k factors: 3 x 16 x 132 x 4 = 25 344
+OPERAND_TILES_BYTES = 2 * HEAD_DIM * OPERAND_PITCH * 4  # k 2^G, v: 2 x 128 x 20 x 4 = 20 480 (aliases the above)
+assert OPERAND_TILES_BYTES <= FACTOR_TILES_BYTES
+
 
 def shared_memory_bytes() -> int:
-    """Shared memory of one CTA: four padded [16, 132] fp32 tiles, two [16, 17] fp32 matrices,
-    beta, the l2-norm partial sums and the fast-path vote."""
-    return 4 * CHUNK * ROW_PITCH * 4 + 2 * CHUNK * (CHUNK + 1) * 4 + CHUNK * 4 + 2 * WARPS * CHUNK * 4 + WARPS * 4
+    """Shared memory of one CTA: the factor tiles (reused for the W-application operands),
+    L [16, 17], W [16, 20], beta, the l2-norm partial sums and norms, the fast-path vote."""
+    return (FACTOR_TILES_BYTES + CHUNK * (CHUNK + 1) * 4 + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4
+            + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4)
 
 
 @cute.jit
@@ -75,10 +97,28 @@ def sequence_bounds(cu_seqlens: cute.Tensor, n: Int32, dense_len: Int32, total_t
 
 
 @cute.jit
-def warp_sum(x: Float32) -> Float32:
-    for offset in cutlass.range_constexpr(5):
-        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << (4 - offset))
-    return x
+def tf32_bits(x: Float32) -> Int32:
+    """x rounded to TF32 (cvt.rna: nearest, ties away from zero), as the bits of an MMA operand."""
+    return Int32(cute.arch.cvt_f32_tf32(x))
+
+
+@cute.jit
+def warp_sums_transposed(vals: cute.Tensor, lane: Int32) -> Float32:
+    """Sum each of a lane's 16 values over the warp; lanes 2 m and 2 m + 1 get the total of value m.
+
+    Each step halves the values a lane holds: partner lanes (xor 16, 8, 4, 2) split the halves,
+    each keeps one half and adds the partner's copy of it; a last xor-1 step completes the sums
+    (16 shuffles instead of 16 x 5)."""
+    for step in cutlass.range_constexpr(4):
+        half = 8 >> step
+        if (lane & (16 >> step)) != 0:
+            for m in cutlass.range_constexpr(half):
+                swap = vals[m]
+                vals[m] = vals[m + half]
+                vals[m + half] = swap
+        for m in cutlass.range_constexpr(half):
+            vals[m] = vals[m] + cute.arch.shuffle_sync_bfly(vals[m + half], offset=16 >> step)
+    return vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=1)
 
 
 @cute.kernel
@@ -105,25 +145,31 @@ def prepare_chunks_kernel(
 ):
     d, _, _ = cute.arch.thread_idx()
     slot, hv, _ = cute.arch.block_idx()
-    warp = d // 32
-    lane = d % 32
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = cute.arch.lane_idx()
     total_tokens = q.shape[0]
     num_q_heads = q.shape[1]
     num_v_heads = v.shape[1]
     hq = hv // (num_v_heads // num_q_heads)
     varlen = (flags & FLAG_VARLEN) != 0
 
-    smem = cutlass.utils.SmemAllocator()
-    pitch = cute.make_layout((CHUNK, HEAD_DIM), stride=(ROW_PITCH, 1))
-    s_left = smem.allocate_tensor(Float32, pitch, 16)    # k (or k * 2^(G - ref))
-    s_query = smem.allocate_tensor(Float32, pitch, 16)   # q (or q * 2^(G - ref))
-    s_right = smem.allocate_tensor(Float32, pitch, 16)   # k (or k * 2^(ref - G))
-    s_cum = smem.allocate_tensor(Float32, pitch, 16)     # G, slow path only
-    s_lower = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK + 1), stride=(CHUNK + 1, 1)), 16)
-    s_w = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK + 1), stride=(CHUNK + 1, 1)), 16)
-    s_beta = smem.allocate_tensor(Float32, cute.make_layout(CHUNK), 16)
-    s_norm = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS, CHUNK), stride=(WARPS * CHUNK, CHUNK, 1)), 16)
-    s_fast = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)
+    smem = cutlass.memory.SmemAllocator()
+    # Factor tiles, [0] k (or k 2^(G-ref)), [1] q (or q 2^(G-ref)), [2] G (or k 2^(ref-G)):
+    # 3 x 16 x 132 x 4 B = 25 344 B. The fast path stores TF32 bits, the slow path floats.
+    s_fac = smem.allocate_tensor(
+        Float32, cute.make_layout((3, CHUNK, HEAD_DIM), stride=(CHUNK * FACTOR_PITCH, FACTOR_PITCH, 1)), 16)
+    s_fac_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), s_fac.layout)
+    # After phase 3 the same bytes hold [0] k 2^G (TF32 bits), [1] v, token-contiguous per channel:
+    # 2 x 128 x 20 x 4 B = 20 480 B.
+    op_layout = cute.make_layout((2, HEAD_DIM, CHUNK), stride=(HEAD_DIM * OPERAND_PITCH, OPERAND_PITCH, 1))
+    s_op = cute.make_tensor(s_fac.iterator, op_layout)
+    s_op_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), op_layout)
+    s_lower = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK), stride=(CHUNK + 1, 1)), 16)  # 1 088 B
+    s_w_bits = smem.allocate_tensor(Int32, cute.make_layout((CHUNK, CHUNK), stride=(OPERAND_PITCH, 1)), 16)  # 1 280 B
+    s_beta = smem.allocate_tensor(Float32, cute.make_layout(CHUNK), 16)                                # 64 B
+    s_norm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)   # 512 B
+    s_rnorm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)  # 512 B
+    s_fast = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)                                  # 16 B
 
     # Sequence owning this slot: the largest n with base(n) = bos_n // 16 + n <= slot.
     lo = Int32(0)
@@ -149,6 +195,7 @@ def prepare_chunks_kernel(
         cum = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
         kd_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
 
+        # ---- Phase 1: loads, gate, cumsum, l2-norm partial sums, fast-path vote.
         gate_mode = (flags >> GATE_MODE_SHIFT) & 3
         a_exp = Float32(1.0)
         if gate_mode == 1 or gate_mode == 2:
@@ -157,29 +204,35 @@ def prepare_chunks_kernel(
         if gate_mode != 0:
             bias = dt_bias[hv, d]
 
-        # Loads (tokens past the sequence end read as zeros and a zero decay).
+        # Loads first and branch-free (a clamped token index), so that all 64 are in flight at
+        # once; tokens past the sequence end are zeroed afterwards (zero inputs, zero decay).
+        last = valid - 1
         for i in cutlass.range_constexpr(CHUNK):
-            q_r[i] = Float32(0.0)
-            k_r[i] = Float32(0.0)
-            v_r[i] = Float32(0.0)
-            cum[i] = Float32(0.0)
-            if i < valid:
-                t = tok0 + i
-                q_r[i] = q[t, hq, d].to(Float32)
-                k_r[i] = k[t, hq, d].to(Float32)
-                v_r[i] = v[t, hv, d].to(Float32)
-                x = g[t, hv, d].to(Float32)
-                ln_decay = x
-                if gate_mode == 1:
-                    z = x + bias
-                    softplus = z
-                    if z <= Float32(20.0):
-                        softplus = cute.math.log1p(cute.math.exp(z))
-                    ln_decay = -a_exp * softplus
-                elif gate_mode >= 2:
-                    z = (x + bias) * a_exp
-                    ln_decay = lower_bound / (Float32(1.0) + cute.math.exp(-z))
-                cum[i] = ln_decay * Float32(LOG2E)
+            t = tok0 + cutlass.min(last, i)
+            q_r[i] = q[t, hq, d].to(Float32)
+            k_r[i] = k[t, hq, d].to(Float32)
+            cum[i] = g[t, hv, d].to(Float32)
+        # Natural-log decay from the gate; one loop per mode so that each computes only its own.
+        if gate_mode == 1:
+            for i in cutlass.range_constexpr(CHUNK):
+                z = cum[i] + bias
+                softplus = z
+                if z <= Float32(20.0):
+                    softplus = cute.math.log1p(cute.math.exp(z))
+                cum[i] = -a_exp * softplus
+        elif gate_mode >= 2:
+            for i in cutlass.range_constexpr(CHUNK):
+                # lower_bound * sigmoid(z), with the hardware exp2 and reciprocal (relative
+                # error ~1e-7, far below the bf16 inputs' resolution).
+                z = (cum[i] + bias) * a_exp
+                denom = Float32(1.0) + cute.math.exp2(z * Float32(-LOG2E), fastmath=True)
+                cum[i] = lower_bound * cute.arch.rcp_approx(denom)
+        for i in cutlass.range_constexpr(CHUNK):
+            cum[i] = cum[i] * Float32(LOG2E)
+            if i > last:
+                q_r[i] = Float32(0.0)
+                k_r[i] = Float32(0.0)
+                cum[i] = Float32(0.0)
         if d < CHUNK:
             b = Float32(0.0)
             if d < valid:
@@ -193,19 +246,18 @@ def prepare_chunks_kernel(
             cum[i] = cum[i] + cum[i - 1]
         g_last = cum[CHUNK - 1]
 
-        if (flags & FLAG_QK_L2NORM) != 0:
+        l2norm = (flags & FLAG_QK_L2NORM) != 0
+        if l2norm:
+            squares = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
             for i in cutlass.range_constexpr(CHUNK):
-                sq = warp_sum(q_r[i] * q_r[i])
-                sk = warp_sum(k_r[i] * k_r[i])
-                if lane == 0:
-                    s_norm[0, warp, i] = sq
-                    s_norm[1, warp, i] = sk
-            cute.arch.sync_threads()
+                squares[i] = q_r[i] * q_r[i]
+            q_sum = warp_sums_transposed(squares, lane)
             for i in cutlass.range_constexpr(CHUNK):
-                nq = s_norm[0, 0, i] + s_norm[0, 1, i] + s_norm[0, 2, i] + s_norm[0, 3, i]
-                nk = s_norm[1, 0, i] + s_norm[1, 1, i] + s_norm[1, 2, i] + s_norm[1, 3, i]
-                q_r[i] = q_r[i] * cute.math.rsqrt(nq + Float32(1e-6))
-                k_r[i] = k_r[i] * cute.math.rsqrt(nk + Float32(1e-6))
+                squares[i] = k_r[i] * k_r[i]
+            k_sum = warp_sums_transposed(squares, lane)
+            if lane % 2 == 0:
+                s_norm[warp, lane // 2] = q_sum
+                s_norm[warp, CHUNK + lane // 2] = k_sum
 
         # Whole-CTA vote: factorized pair products are safe iff every channel's chunk decay
         # stays within FAST_PATH_RANGE.
@@ -213,48 +265,119 @@ def prepare_chunks_kernel(
         if lane == 0:
             s_fast[warp] = Int32(1) if fast_here else Int32(0)
         cute.arch.sync_threads()
-        fast = (s_fast[0] + s_fast[1] + s_fast[2] + s_fast[3]) == WARPS
 
-        ref = g_last * Float32(0.5)
-        for i in cutlass.range_constexpr(CHUNK):
-            if fast:
+        # ---- Phase 2: l2 norms, factor tiles, qd and kr.
+        if l2norm:
+            # Every warp finishes the 32 norms itself (lane l: value l) and shares them through
+            # its own row of s_rnorm.
+            total = s_norm[0, lane] + s_norm[1, lane] + s_norm[2, lane] + s_norm[3, lane]
+            s_rnorm[warp, lane] = cute.math.rsqrt(total + Float32(1e-6))
+            cute.arch.sync_warp()
+            for i in cutlass.range_constexpr(CHUNK):
+                q_r[i] = q_r[i] * s_rnorm[warp, i]
+                k_r[i] = k_r[i] * s_rnorm[warp, CHUNK + i]
+
+        fast = (s_fast[0] + s_fast[1] + s_fast[2] + s_fast[3]) == WARPS
+        if fast:
+            ref = g_last * Float32(0.5)
+            ref_scale = cute.math.exp2(ref, fastmath=True)  # 2^ref: 2^G = 2^(G-ref) 2^ref
+            q_scale = scale * ref_scale
+            for i in cutlass.range_constexpr(CHUNK):
                 up = cute.math.exp2(cum[i] - ref, fastmath=True)
                 down = cute.math.exp2(ref - cum[i], fastmath=True)
-                s_left[i, d] = k_r[i] * up
-                s_query[i, d] = q_r[i] * up
-                s_right[i, d] = k_r[i] * down
+                left = k_r[i] * up
+                query = q_r[i] * up
+                right = k_r[i] * down
+                s_fac_bits[0, i, d] = tf32_bits(left)
+                s_fac_bits[1, i, d] = tf32_bits(query)
+                s_fac_bits[2, i, d] = tf32_bits(right)
+                qd_out[row0 + i, d] = (query * q_scale).to(cutlass.BFloat16)
+                kr_out[row0 + i, d] = (right * ref_scale).to(cutlass.BFloat16)
+                kd_r[i] = left * ref_scale
+        else:
+            for i in cutlass.range_constexpr(CHUNK):
+                s_fac[0, i, d] = k_r[i]
+                s_fac[1, i, d] = q_r[i]
+                s_fac[2, i, d] = cum[i]
+                decay_i = cute.math.exp2(cum[i], fastmath=True)
+                qd_out[row0 + i, d] = (scale * q_r[i] * decay_i).to(cutlass.BFloat16)
+                kr_out[row0 + i, d] = (k_r[i] * cute.math.exp2(g_last - cum[i], fastmath=True)).to(cutlass.BFloat16)
+                kd_r[i] = k_r[i] * decay_i
+        decay_out[slot * num_v_heads + hv, d] = cute.math.exp2(g_last, fastmath=True)
+        cute.arch.sync_threads()
+
+        # ---- Phase 3: pair products A_kk (-> L) and Mqk.
+        # v is first needed in phase 4: loading it here keeps it out of the register peak of
+        # phases 1-2, and the pair products hide its latency.
+        for i in cutlass.range_constexpr(CHUNK):
+            v_r[i] = v[tok0 + cutlass.min(last, i), hv, d].to(Float32)
+            if i > last:
+                v_r[i] = Float32(0.0)
+        mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaTF32Op((16, 8, MMA_K)))
+        thr = mma.get_slice(lane)
+        crd_c = thr.partition_C(cute.make_identity_tensor((CHUNK, 8)))
+        if fast:
+            # Warp w: rows of factor tile w // 2 (k or q) against columns 8 (w % 2) .. + 7.
+            product = warp // 2
+            col0 = (warp % 2) * 8
+            crd_a = thr.partition_A(cute.make_identity_tensor((CHUNK, MMA_K)))
+            crd_b = thr.partition_B(cute.make_identity_tensor((8, MMA_K)))
+            frag_a = thr.make_fragment_A(thr.partition_shape_A((CHUNK, MMA_K)))
+            frag_b = thr.make_fragment_B(thr.partition_shape_B((8, MMA_K)))
+            acc = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
+            acc.fill(0.0)
+            for kb in cutlass.range_constexpr(HEAD_DIM // MMA_K):
+                for e in cutlass.range_constexpr(cute.size(frag_a)):
+                    m, kk = crd_a[e]
+                    frag_a[e] = s_fac_bits[product, m, kb * MMA_K + kk]
+                for e in cutlass.range_constexpr(cute.size(frag_b)):
+                    n, kk = crd_b[e]
+                    frag_b[e] = s_fac_bits[2, col0 + n, kb * MMA_K + kk]
+                cute.gemm(mma, acc, frag_a, frag_b, acc)
+            # Entries above the diagonal can overflow (factors up to 2^100 each): select, never scale.
+            if product == 0:
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    i, jj = crd_c[e]
+                    j = col0 + jj
+                    lower = Float32(0.0)
+                    if j < i:
+                        lower = acc[e] * s_beta[i]
+                    s_lower[i, j] = lower
             else:
-                s_left[i, d] = k_r[i]
-                s_query[i, d] = q_r[i]
-                s_right[i, d] = k_r[i]
-                s_cum[i, d] = cum[i]
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    i, jj = crd_c[e]
+                    j = col0 + jj
+                    m_ij = Float32(0.0)
+                    if j <= i:
+                        m_ij = acc[e] * scale
+                    mqk_out[row0 + i, j] = m_ij.to(cutlass.BFloat16)
+        else:
+            # Exact element-wise decays on CUDA cores: thread (i, j0) computes rows i, columns
+            # j0 and j0 + 8; s_fac holds k, q and G.
+            pi = d // 8
+            for half in cutlass.range_constexpr(2):
+                pj = d % 8 + half * 8
+                acc_kk = Float32(0.0)
+                acc_qk = Float32(0.0)
+                if pj <= pi:
+                    for e in cutlass.range(HEAD_DIM, unroll=8):
+                        r = s_fac[0, pj, e] * cute.math.exp2(s_fac[2, pi, e] - s_fac[2, pj, e], fastmath=True)
+                        acc_kk = acc_kk + s_fac[0, pi, e] * r
+                        acc_qk = acc_qk + s_fac[1, pi, e] * r
+                lower = Float32(0.0)
+                if pj < pi:
+                    lower = acc_kk * s_beta[pi]
+                s_lower[pi, pj] = lower
+                mqk_out[row0 + pi, pj] = (acc_qk * scale).to(cutlass.BFloat16)
         cute.arch.sync_threads()
 
-        # Pair products: thread (i, j0) computes rows i, columns j0 and j0 + 8.
-        pi = d // 8
-        for half in cutlass.range_constexpr(2):
-            pj = d % 8 + half * 8
-            acc_kk = Float32(0.0)
-            acc_qk = Float32(0.0)
-            if pj <= pi:
-                if fast:
-                    for e in cutlass.range(HEAD_DIM, unroll=8):
-                        r = s_right[pj, e]
-                        acc_kk = acc_kk + s_left[pi, e] * r
-                        acc_qk = acc_qk + s_query[pi, e] * r
-                else:
-                    for e in cutlass.range(HEAD_DIM, unroll=8):
-                        r = s_right[pj, e] * cute.math.exp2(s_cum[pi, e] - s_cum[pj, e], fastmath=True)
-                        acc_kk = acc_kk + s_left[pi, e] * r
-                        acc_qk = acc_qk + s_query[pi, e] * r
-            lower = Float32(0.0)
-            if pj < pi:
-                lower = acc_kk * s_beta[pi]
-            s_lower[pi, pj] = lower
-            mqk_out[row0 + pi, pj] = (acc_qk * scale).to(cutlass.BFloat16)
-        cute.arch.sync_threads()
-
-        # W = (I + L)^-1 diag(beta) by forward substitution; lane c of warp 0 owns column c.
+        # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c) and the
+        # W-application operands (every thread: its channel, over the free factor tiles).
+        kd_bits = cute.make_rmem_tensor(cute.make_layout(CHUNK), Int32)
+        for i in cutlass.range_constexpr(CHUNK):
+            kd_bits[i] = tf32_bits(kd_r[i])
+        cute.autovec_copy(kd_bits, s_op_bits[0, d, None])
+        cute.autovec_copy(v_r, s_op[1, d, None])
         if d < CHUNK:
             col = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
             for i in cutlass.range_constexpr(CHUNK):
@@ -264,22 +387,38 @@ def prepare_chunks_kernel(
                 col[i] = x
             b = s_beta[d]
             for i in cutlass.range_constexpr(CHUNK):
-                s_w[i, d] = col[i] * b
+                s_w_bits[i, d] = tf32_bits(col[i] * b)
         cute.arch.sync_threads()
 
-        # Per-channel outputs: d owns column d of every [16, 128] operand.
-        for j in cutlass.range_constexpr(CHUNK):
-            kd_r[j] = k_r[j] * cute.math.exp2(cum[j], fastmath=True)
-        for i in cutlass.range_constexpr(CHUNK):
-            kw = Float32(0.0)
-            vw = Float32(0.0)
-            for j in cutlass.range_constexpr(i + 1):
-                w = s_w[i, j]
-                kw = kw + w * kd_r[j]
-                vw = vw + w * v_r[j]
-            row = row0 + i
-            neg_kw_out[row, d] = (-kw).to(cutlass.BFloat16)
-            vw_out[row, d] = vw
-            qd_out[row, d] = (scale * q_r[i] * cute.math.exp2(cum[i], fastmath=True)).to(cutlass.BFloat16)
-            kr_out[row, d] = (k_r[i] * cute.math.exp2(g_last - cum[i], fastmath=True)).to(cutlass.BFloat16)
-        decay_out[slot * num_v_heads + hv, d] = cute.math.exp2(g_last, fastmath=True)
+        # ---- Phase 5: neg_kw = -W (k 2^G), vw = W v; warp w owns channels 32 w .. 32 w + 31.
+        crd_w = thr.partition_A(cute.make_identity_tensor((CHUNK, CHUNK)))
+        crd_kv = thr.partition_B(cute.make_identity_tensor((8, CHUNK)))
+        frag_w = thr.make_fragment_A(thr.partition_shape_A((CHUNK, CHUNK)))
+        frag_kd = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
+        frag_v = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
+        acc_kd = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
+        acc_v = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
+        for e in cutlass.range_constexpr(cute.size(frag_w)):
+            m, kk = crd_w[e]
+            frag_w[e] = s_w_bits[m, kk]
+        for nt in cutlass.range_constexpr(32 // 8):
+            ch0 = warp * 32 + nt * 8
+            for e in cutlass.range_constexpr(cute.size(frag_kd)):
+                n, kk = crd_kv[e]
+                frag_kd[e] = s_op_bits[0, ch0 + n, kk]
+                frag_v[e] = s_op_bits[1, ch0 + n, kk]
+            acc_kd.fill(0.0)
+            acc_v.fill(0.0)
+            cute.gemm(mma, acc_kd, frag_w, frag_kd, acc_kd)
+            cute.gemm(mma, acc_v, frag_w, frag_v, acc_v)
+            # Accumulator values (2 h, 2 h + 1) are columns (n, n + 1) of one row: paired stores.
+            for h in cutlass.range_constexpr(2):
+                i, n = crd_c[2 * h]
+                pair_kw = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
+                pair_vw = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                for e in cutlass.range_constexpr(2):
+                    pair_kw[e] = (-acc_kd[2 * h + e]).to(cutlass.BFloat16)
+                    pair_vw[e] = acc_v[2 * h + e]
+                pair_col = (ch0 + n) // 2
+                cute.autovec_copy(pair_kw, cute.local_tile(neg_kw_out[row0 + i, None], (2,), (pair_col,)))
+                cute.autovec_copy(pair_vw, cute.local_tile(vw_out[row0 + i, None], (2,), (pair_col,)))
