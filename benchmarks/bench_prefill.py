@@ -136,8 +136,7 @@ def run_case(w: Workload, args, rng) -> dict:
     static = split_kwargs(first_kwargs)[1]
     sets = [(a, split_kwargs(kw)[0]) for a, kw in sets]
 
-    cfg = validate(*first_args, backend="auto", **{**dict(scale=None, initial_state=None, cu_seqlens=None,
-                   use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None), **first_kwargs})
+    cfg = validate(*first_args, **first_kwargs)
     plan = planner.plan_prefill(cfg)
     decision = jax_kda.explain(*first_args, **first_kwargs, backend=args.backend)
     floor_s = hbm_floor_bytes(w) / COPY_BANDWIDTH
@@ -188,7 +187,9 @@ def write_report(rows, out: pathlib.Path, device: str):
         lines.append(
             f"| {r['case']} | {r['tokens']} | {r['heads']} | {r['plan']['v_split']}, {r['plan']['num_segments']} "
             f"| {fmt('jax_kda_us')} | {fmt('fla_us')} | {fmt('speedup_vs_fla', '.2f')} "
-            f"| {FLASHKDA_US.get(r['case'], '—')} | {FLASHKDA_US[r['case']] / r['jax_kda_us']:.2f} | {fmt('xla_us')} "
+            f"| {FLASHKDA_US.get(r['case'], '—')} "
+            f"| {format(FLASHKDA_US[r['case']] / r['jax_kda_us'], '.2f') if r['case'] in FLASHKDA_US else '—'} "
+            f"| {fmt('xla_us')} "
             f"| {fmt('hbm_floor_us')} | {fmt('floor_fraction', '.1%')} |"
         )
     table = "\n".join(lines)

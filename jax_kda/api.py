@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
+import jax.numpy as jnp
 
 from jax_kda import dispatch, planner, xla_backend
 from jax_kda.config import validate
@@ -58,7 +58,8 @@ def prefill(
         traced; its values are never read on the host. Zero-length sequences are allowed (their
         final state is their initial state). Malformed values (decreasing, or outside [0, T])
         cannot be checked at trace time; they never cause out-of-bounds memory access, but the
-        outputs are then unspecified. Tokens outside [cu_seqlens[0], cu_seqlens[N]) get o = 0.
+        outputs are then unspecified. Tokens outside [cu_seqlens[0], cu_seqlens[N]) belong to no
+        sequence: their o is unspecified (the XLA path writes 0, the kernels leave it unwritten).
       use_qk_l2norm_in_kernel: L2-normalise q and k per head (eps 1e-6 inside the sqrt).
       use_gate_in_kernel: compute the log-decay from the raw gate g: with `A_log` and no
         `lower_bound`, -exp(A_log) softplus(g + dt_bias); with `lower_bound`,
@@ -81,6 +82,8 @@ def prefill(
       TypeError: a static argument is traced or of the wrong type. To jit `prefill` itself, use
         `jax.jit(jax_kda.prefill, static_argnames=jax_kda.STATIC_ARGNAMES)`.
     """
+    if cu_seqlens is not None:
+        cu_seqlens = jnp.asarray(cu_seqlens)
     cfg = validate(
         q,
         k,
@@ -116,24 +119,11 @@ def explain(q, k, v, g, beta, **kwargs) -> dispatch.Decision:
     `prefill`, but never raises for an ineligible kernel backend: the reasons are in the result.
     """
     requested = kwargs.pop("backend", "auto")
-    cfg = validate(q, k, v, g, beta, backend=requested, **_with_defaults(kwargs))
+    cfg = validate(q, k, v, g, beta, backend=requested, **kwargs)
     if requested in ("auto", "xla"):
         return dispatch.choose_backend(cfg, requested)
-    reasons = dispatch.build_limits(requested) or dispatch.argument_limits(cfg, requested)
-    device = dispatch.device_backend(dispatch.default_device())[1]
-    return dispatch.Decision(requested, "unavailable" if reasons else requested, tuple(reasons), device)
-
-
-# prefill's keyword arguments and their defaults, for explain().
-_DEFAULTS = {
-    name: p.default
-    for name, p in inspect.signature(prefill).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "backend"
-}
-
-
-def _with_defaults(kwargs: dict) -> dict:
-    unknown = set(kwargs) - set(_DEFAULTS)
-    if unknown:
-        raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
-    return {**_DEFAULTS, **kwargs}
+    device = dispatch.default_device()
+    reasons = dispatch.kernel_limits(cfg, requested, device)
+    return dispatch.Decision(
+        requested, "unavailable" if reasons else requested, tuple(reasons), dispatch.device_backend(device)[1]
+    )

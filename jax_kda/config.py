@@ -134,20 +134,22 @@ def validate(
     g,
     beta,
     *,
-    scale,
-    initial_state,
-    output_final_state,
-    cu_seqlens,
-    use_qk_l2norm_in_kernel,
-    use_gate_in_kernel,
-    A_log,
-    dt_bias,
-    lower_bound,
-    use_beta_sigmoid_in_kernel,
-    state_v_first,
-    backend,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_beta_sigmoid_in_kernel=False,
+    state_v_first=False,
+    backend="auto",
 ) -> PrefillConfig:
     """Checks a `prefill` call against SPEC.md section 4 and returns its `PrefillConfig`.
+
+    Takes `prefill`'s arguments with the same defaults; arrays may be `jax.ShapeDtypeStruct`s.
 
     Raises:
       ValueError: a shape, rank, dtype or value is outside the contract.

@@ -1,4 +1,4 @@
-"""Which backend serves a call, and why: `choose_backend` and the public `explain`.
+"""Which backend serves a call, and why: `choose_backend` (used by `prefill` and `explain`).
 
 "auto" takes the kernel for the device when every argument is eligible and falls back to "xla"
 otherwise; the reasons are logged on the `jax_kda` logger (DEBUG) and returned by `explain`, so a
@@ -78,6 +78,12 @@ def build_limits(backend: str) -> list[str]:
 
 
 def default_device():
+    """The device a call without placement runs on: `jax.default_device` if set, else the first."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):  # a platform name
+        device = jax.devices(device)[0]
+    if device is not None:
+        return device
     try:
         return jax.devices()[0]
     except RuntimeError:
@@ -98,6 +104,15 @@ def device_backend(device) -> tuple[str | None, str]:
     return None, name
 
 
+def kernel_limits(cfg: PrefillConfig, backend: str, device) -> list[str]:
+    """Everything that stops `backend`'s kernels from serving this call on `device`."""
+    found, desc = device_backend(device)
+    if found != backend:
+        needs = " or ".join(BACKEND_CAPABILITIES[backend])
+        return [f"{backend} needs a GPU of compute capability {needs}; the default device is a {desc}"]
+    return build_limits(backend) or argument_limits(cfg, backend)
+
+
 def choose_backend(cfg: PrefillConfig, requested: str, device=None) -> Decision:
     """Resolves `requested` ("auto" | "xla" | "sm90" | "sm100") for this call.
 
@@ -112,12 +127,12 @@ def choose_backend(cfg: PrefillConfig, requested: str, device=None) -> Decision:
         if backend is None:
             decision = Decision(requested, "xla", (f"no jax_kda kernel for the default device: {desc}",), desc)
         else:
-            reasons = build_limits(backend) or argument_limits(cfg, backend)
+            reasons = kernel_limits(cfg, backend, device)
             decision = Decision(requested, "xla" if reasons else backend, tuple(reasons), desc)
         if decision.reasons:
             logger.debug("jax_kda.prefill: %s", decision)
         return decision
-    reasons = build_limits(requested) or argument_limits(cfg, requested)
+    reasons = kernel_limits(cfg, requested, device)
     if reasons:
         raise ValueError("; ".join(reasons))
     return Decision(requested, requested, (), device_backend(device)[1])

@@ -137,8 +137,14 @@ def _no_jvp(primals, tangents, **params):
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_bind(cfg: PrefillConfig, plan: RecurrencePlan, target: str):
+    """One jitted bind per static configuration, so eager calls compile once, not every call."""
+    return jax.jit(functools.partial(prefill_p.bind, cfg=cfg, plan=plan, target=target))
+
+
 def _impl(*operands, cfg, plan, target):
-    return jax.jit(functools.partial(prefill_p.bind, cfg=cfg, plan=plan, target=target))(*operands)
+    return _compiled_bind(cfg, plan, target)(*operands)
 
 
 prefill_p.def_impl(_impl)

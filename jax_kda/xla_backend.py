@@ -23,8 +23,9 @@ error is relative to its own size, which keeps the long-memory case accurate.
 
 Packed sequences (traced `cu_seqlens`) are laid out with every sequence padded to a multiple of C,
 so no chunk spans two sequences; padding tokens have k = v = beta = 0 and g = 0 and leave the state
-untouched. The padded length is a static bound, T + N (C - 1). Memory is O(T (K + V + C)) per
-head plus states: no O(T K V) tensor is built.
+untouched. The padded length is a static bound, T + N (C - 1) tokens, so many short packed
+sequences cost up to C times their length. Memory is O((T + N C) (K + V + C)) per head plus
+states: no O(T K V) tensor is built.
 """
 
 from __future__ import annotations

@@ -25,10 +25,8 @@ class FakeGpu:
 
 
 def _cfg(dtype=jnp.bfloat16, d=128):
-    arrays = [S((1, 32, 2, d), dtype)] * 2 + [S((1, 32, 2, d), dtype), S((1, 32, 2, d), jnp.float32), S((1, 32, 2), jnp.float32)]
-    return validate(*arrays, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                    lower_bound=None, use_beta_sigmoid_in_kernel=False, state_v_first=False, backend="auto")
+    arrays = [S((1, 32, 2, d), dtype)] * 3 + [S((1, 32, 2, d), jnp.bfloat16), S((1, 32, 2), jnp.bfloat16)]
+    return validate(*arrays)
 
 
 def test_auto_on_cpu_uses_xla_and_says_why(caplog):
@@ -69,3 +67,22 @@ def test_explain_reports_the_decision():
     assert "backend='xla'" in str(d)
     d = jax_kda.explain(x, x, x, x, x[..., 0], backend="sm90")
     assert d.backend == "unavailable" and d.reasons
+
+
+def test_explicit_kernel_backend_on_the_wrong_device_raises_naming_the_device():
+    with pytest.raises(ValueError, match=r"sm90 needs a GPU of compute capability 9.0; the default device is a NVIDIA H200 \(compute capability 8.0\)"):
+        dispatch.choose_backend(_cfg(), "sm90", device=FakeGpu("8.0"))
+    with pytest.raises(ValueError, match=r"sm100 needs a GPU of compute capability 10.0; the default device is a cpu device"):
+        dispatch.choose_backend(_cfg(), "sm100", device=jax.devices("cpu")[0])
+
+
+def test_explicit_kernel_backend_on_hopper_names_the_argument_limit(monkeypatch):
+    monkeypatch.setattr(dispatch, "build_limits", lambda backend: [])
+    with pytest.raises(ValueError, match=r"sm90 needs K == V == 128, got K=64, V=64; sm90 needs q, k, v in bfloat16, got float32"):
+        dispatch.choose_backend(_cfg(dtype=jnp.float32, d=64), "sm90", device=FakeGpu("9.0"))
+    assert dispatch.choose_backend(_cfg(), "sm90", device=FakeGpu("9.0")).backend == "sm90"
+
+
+def test_auto_honours_jax_default_device():
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert dispatch.default_device().platform == "cpu"

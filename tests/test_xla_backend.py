@@ -21,6 +21,7 @@ CASES = [
     W("t16", seqlen=16),
     W("t17", seqlen=17),
     W("t33", seqlen=33),
+    W("t63", seqlen=63),
     W("t64", seqlen=64),
     W("t65_batch3", batch=3, seqlen=65),
     # The three gate forms and pre-activated gates down to -30 and -60 per token.
@@ -47,6 +48,8 @@ CASES = [
     W("packed_leading_empty", seqlens=(0, 0, 50, 17), gate="preactivated", decay_floor=-60.0),
     W("packed_one", seqlens=(77,), state_v_first=True),
     W("packed_gqa_h12", seqlens=(16, 33, 15), heads=3, v_heads=12, head_k=16, head_v=16),
+    W("packed_long_memory", seqlens=(700, 3, 0, 1100), heads=1, gate="preactivated", decay_floor=-30.0,
+      long_memory=True),
 ]
 
 
@@ -72,7 +75,7 @@ def test_bf16_inputs_match_float64_recurrence(w, fresh_seed):
     _check(w, fresh_seed, BF16_BAR)
 
 
-FP32_CASES = [
+FULL_PRECISION_CASES = [
     W("fp32_pre_minus60", seqlen=150, gate="preactivated", decay_floor=-60.0, dtype="float32"),
     W("fp32_softplus", seqlen=150, gate="softplus", dtype="float32"),
     W("fp32_lower_bound_long_memory", seqlen=1024, heads=1, long_memory=True, dtype="float32"),
@@ -81,7 +84,7 @@ FP32_CASES = [
 ]
 
 
-@pytest.mark.parametrize("w", FP32_CASES, ids=lambda w: w.name)
+@pytest.mark.parametrize("w", FULL_PRECISION_CASES, ids=lambda w: w.name)
 def test_full_precision_inputs_match_float64_recurrence(w, fresh_seed):
     # fp16 inputs still round o to fp16 (~5e-4); only fp32 is held to the fp32 bar.
     _check(w, fresh_seed, FP32_BAR if w.dtype == "float32" else 2e-3)
@@ -110,3 +113,18 @@ def test_packed_matches_separate_calls(fresh_seed):
         o1, f1 = jax_kda.prefill(*(x[:, a:b] for x in args), backend="xla", **one)
         np.testing.assert_allclose(np.asarray(o[:, a:b]), np.asarray(o1), rtol=2e-5, atol=2e-6)
         np.testing.assert_allclose(np.asarray(final[n]), np.asarray(f1[0]), rtol=2e-5, atol=2e-6)
+
+
+def test_int64_cu_seqlens_and_tokens_outside_every_sequence(fresh_seed):
+    """int64 offsets are accepted; with cu_seqlens[0] > 0 and cu_seqlens[N] < T the tokens outside
+    every sequence get o = 0 (the XLA path's documented behaviour) and the rest match the gold."""
+    w = W("outside", seqlens=(90,), dtype="float32")
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    cu = np.array([7, 30, 30, 71], np.int64)
+    kwargs = {**kwargs, "cu_seqlens": cu, "initial_state": np.zeros((3, 2, 32, 32), np.float32) + 0.1}
+    o, final = jax_kda.prefill(*args, backend="xla", **kwargs)
+    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
+    o = np.asarray(o)
+    assert np.all(o[:, :7] == 0) and np.all(o[:, 71:] == 0)
+    assert gold.err_ratio(o[:, 7:71], gold_o[:, 7:71]) <= FP32_BAR
+    assert gold.err_ratio(np.asarray(final), gold_final) <= FP32_BAR
