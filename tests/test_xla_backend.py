@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -128,3 +129,14 @@ def test_int64_cu_seqlens_and_tokens_outside_every_sequence(fresh_seed):
     assert np.all(o[:, :7] == 0) and np.all(o[:, 71:] == 0)
     assert gold.err_ratio(o[:, 7:71], gold_o[:, 7:71]) <= FP32_BAR
     assert gold.err_ratio(np.asarray(final), gold_final) <= FP32_BAR
+
+
+def test_unit_lower_inverse_matches_numpy(fresh_seed):
+    from jax_kda.xla_backend import _unit_lower_inverse
+
+    rng = np.random.default_rng(fresh_seed)
+    lower = np.tril(rng.uniform(-0.5, 0.5, (3, 64, 64)), -1).astype(np.float32)
+    got = np.asarray(_unit_lower_inverse(jax.numpy.asarray(lower)))
+    want = np.linalg.inv(np.eye(64) + lower.astype(np.float64))
+    assert gold.err_ratio(got, want) < 1e-5
+    assert np.all(np.triu(got, 1) == 0) and np.all(np.diagonal(got, axis1=1, axis2=2) == 1)
