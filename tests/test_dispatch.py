@@ -83,6 +83,11 @@ def test_explicit_kernel_backend_on_hopper_names_the_argument_limit(monkeypatch)
     assert dispatch.choose_backend(_cfg(), "sm90", device=FakeGpu("9.0")).backend == "sm90"
 
 
-def test_auto_honours_jax_default_device():
-    with jax.default_device(jax.devices("cpu")[0]):
-        assert dispatch.default_device().platform == "cpu"
+def test_auto_honours_jax_default_device(monkeypatch):
+    """With a (fake) Hopper listed first, jax.default_device(cpu) still makes the CPU the target."""
+    cpu = jax.devices("cpu")[0]
+    monkeypatch.setattr(dispatch.jax, "devices", lambda *a: [FakeGpu("9.0")] if not a else [cpu])
+    assert dispatch.default_device().platform == "gpu"
+    with jax.default_device(cpu):
+        assert dispatch.default_device() is cpu
+        assert dispatch.choose_backend(_cfg(), "auto").backend == "xla"
