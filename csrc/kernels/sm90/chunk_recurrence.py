@@ -18,7 +18,7 @@ Warp roles (160 threads): warps 0-3 are the MMA warpgroup; warp 4 is the TMA pro
 Shared memory per pipeline stage (bytes):
     neg_kw 16 x 128 x 2 = 4096, qd 4096, kr 4096, mqk 16 x 16 x 2 = 512,
     vw 16 x 64 x 4 = 4096, decay 128 x 4 = 512                      -> 17408 per stage
-plus the output staging tile 2 x 16 x 64 x 2 = 4096 and the mbarriers.
+plus the output staging tile 2 x 16 x 72 x 2 = 4608 (rows padded) and the mbarriers.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ MMA_THREADS = 128
 THREADS = MMA_THREADS + 32
 PRODUCER_WARP = MMA_THREADS // 32
 OUTPUT_BARRIER = 1
+# Output staging rows [16 tokens, 64 v] padded to 72: the accumulator's bf16 writes (lanes differ
+# by 2 tokens and 1 v) spread over all banks, and every row starts 16-byte aligned for the
+# 8-element vector reads.
+OUT_PITCH = V_SLICE + 8
 
 
 def shared_memory_bytes() -> int:
@@ -54,7 +58,7 @@ def shared_memory_bytes() -> int:
     barriers = 1024  # 2 * STAGES mbarriers, padded up to the first 1024-aligned tile
     mma_tiles = STAGES * (3 * CHUNK * HEAD_DIM * 2 + CHUNK * CHUNK * 2)  # neg_kw, qd, kr, mqk
     thread_tiles = STAGES * (CHUNK * V_SLICE * 4 + HEAD_DIM * 4)  # vw, decay
-    return barriers + mma_tiles + thread_tiles + 2 * CHUNK * V_SLICE * 2  # + output staging
+    return barriers + mma_tiles + thread_tiles + 2 * CHUNK * OUT_PITCH * 2  # + output staging
 
 
 def _acc_as_operand_layout(acc_layout, operand_value_shape):
@@ -111,7 +115,7 @@ class ChunkRecurrence:
         mqk_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (V_SLICE, CHUNK, CHUNK), bf16, STAGES)
         vw_layout = cute.make_layout((CHUNK, V_SLICE, STAGES), stride=(V_SLICE, 1, CHUNK * V_SLICE))
         decay_layout = cute.make_layout((1, HEAD_DIM, STAGES), stride=(HEAD_DIM, 1, HEAD_DIM))
-        out_layout = cute.make_layout((CHUNK, V_SLICE, 2), stride=(V_SLICE, 1, CHUNK * V_SLICE))
+        out_layout = cute.make_layout((CHUNK, V_SLICE, 2), stride=(OUT_PITCH, 1, CHUNK * OUT_PITCH))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # kr rows are tokens with k contiguous; the MMA wants it as [k, tokens].
@@ -277,7 +281,9 @@ class ChunkRecurrence:
                 loads.consumer_release(state)
                 state.advance()
 
-                # Output: transpose through shared memory, then 16-byte rows per thread.
+                # Output: transpose through shared memory, then one 16-byte store per thread
+                # (8 v of one token row; 8 threads cover a row's 128 bytes), only for tokens
+                # before the sequence end.
                 buf = c % 2
                 for e in cutlass.range_constexpr(cute.size(acc_o)):
                     vv, tt = crd_t[e]
@@ -287,8 +293,9 @@ class ChunkRecurrence:
                 part = tidx % 8
                 t = bos + c * CHUNK + tok
                 if t < eos:
-                    for e in cutlass.range_constexpr(8):
-                        o[t, hv, v0 + part * 8 + e] = s_out[tok, part * 8 + e, buf]
+                    row = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                    cute.autovec_copy(cute.local_tile(s_out[tok, None, buf], (8,), (part,)), row)
+                    cute.autovec_copy(row, cute.local_tile(o[t, hv, None], (8,), (v_slice * 8 + part,)))
 
             if (flags & FLAG_OUTPUT_FINAL_STATE) != 0:
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
