@@ -166,6 +166,7 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
       .flags = flags,
       .scale = attrs.scale,
       .lower_bound = attrs.lower_bound,
+      .num_sms = modules.MultiprocessorCount(device),
   };
   if (cudaError_t status = LaunchPrefill(params, *arch, stream); status != cudaSuccess) {
     return ffi::Error::Internal(std::string(kTarget) + ": launching the kernels failed: " + CudaErrorText(status));

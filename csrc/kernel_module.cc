@@ -36,14 +36,18 @@ std::string KernelModules::LoadAll() {
     return "jax_kda: cudaGetDeviceCount failed: " + CudaErrorText(error);
   }
   compute_capabilities_.resize(device_count);
+  multiprocessor_counts_.resize(device_count);
   for (int device = 0; device < device_count; ++device) {
     auto& [major, minor] = compute_capabilities_[device];
     cudaError_t error = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     if (error == cudaSuccess) {
       error = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
     }
+    if (error == cudaSuccess) {
+      error = cudaDeviceGetAttribute(&multiprocessor_counts_[device], cudaDevAttrMultiProcessorCount, device);
+    }
     if (error != cudaSuccess) {
-      return "jax_kda: reading the compute capability of CUDA device " + std::to_string(device) +
+      return "jax_kda: reading the attributes of CUDA device " + std::to_string(device) +
              " failed: " + CudaErrorText(error);
     }
   }
@@ -95,6 +99,11 @@ std::optional<Arch> KernelModules::ArchOfDevice(int device, std::string* error) 
              "this device.";
   }
   return arch;
+}
+
+int KernelModules::MultiprocessorCount(int device) const {
+  if (device < 0 || device >= static_cast<int>(multiprocessor_counts_.size())) return 0;
+  return multiprocessor_counts_[device];
 }
 
 }  // namespace jax_kda

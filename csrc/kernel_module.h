@@ -64,6 +64,9 @@ class KernelModules {
   // device and its compute capability.
   std::optional<Arch> ArchOfDevice(int device, std::string* error) const;
 
+  // The number of SMs of `device` after a successful Load() (0 for an unknown ordinal).
+  int MultiprocessorCount(int device) const;
+
  private:
   std::string LoadAll();
 
@@ -72,6 +75,8 @@ class KernelModules {
   std::string load_error_;
   // Per CUDA device ordinal: its compute capability, read during Load().
   std::vector<std::pair<int, int>> compute_capabilities_;
+  // Per CUDA device ordinal: its SM count, read during Load().
+  std::vector<int> multiprocessor_counts_;
 };
 
 }  // namespace jax_kda

@@ -78,7 +78,8 @@ cudaError_t LaunchPrefill(const PrefillParams& p, Arch arch, cudaStream_t stream
   Workspace workspace{p.workspace, {p.workspace_bytes}};
   return static_cast<cudaError_t>(cute_dsl_jax_kda_prefill_sm_90a_wrapper(
       &sm90a_module, &q, &k, &v, &g, &beta, &a_log, &dt_bias, &cu_seqlens, &initial_state, &o,
-      &final_state, &workspace, p.num_seqs, p.dense_len, p.flags, p.scale, p.lower_bound, stream));
+      &final_state, &workspace, p.num_seqs, p.dense_len, p.flags, p.scale, p.lower_bound,
+      p.num_sms, stream));
 }
 
 }  // namespace jax_kda

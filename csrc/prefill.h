@@ -59,6 +59,9 @@ struct PrefillParams {
   int32_t flags;              // PrefillFlag bits | gate_mode << kGateModeShift
   float scale;
   float lower_bound;
+  // Launch shape: the device's SM count (sizes the persistent prepare grid; any value >= 1 is
+  // correct, the real count is fastest).
+  int32_t num_sms;
 };
 
 // Workspace rows (chunk slots x value heads) the kernels use for these sizes.

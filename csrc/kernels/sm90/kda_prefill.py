@@ -47,7 +47,7 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
             a_log: cute.Tensor, dt_bias: cute.Tensor, cu_seqlens: cute.Tensor,
             initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor,
             workspace: cute.Tensor, num_seqs: Int32, dense_len: Int32, flags: Int32,
-            scale: Float32, lower_bound: Float32, stream: cuda.CUstream):
+            scale: Float32, lower_bound: Float32, num_sms: Int32, stream: cuda.CUstream):
     num_v_heads = v.shape[1]
     slots = q.shape[0] // CHUNK + num_seqs
     rows = slots * num_v_heads
@@ -60,10 +60,13 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
     mqk = _region(base, rows64 * 20480, _BF16, (rows * CHUNK, CHUNK))
     decay = _region(base, rows64 * 20992, _F32, (rows, HEAD_DIM))
     if rows > 0:
+        # Persistent: as many CTAs as fit at once (num_sms: the device's SM count), each striding
+        # over the rows.
+        ctas = cutlass.min(rows, cutlass.max(num_sms, 1) * prepare_chunks.CTAS_PER_SM)
         prepare_chunks.prepare_chunks_kernel(
             q, k, v, g, beta, a_log, dt_bias, cu_seqlens, neg_kw, qd, kr, mqk, vw, decay,
             num_seqs, dense_len, flags, scale, lower_bound,
-        ).launch(grid=[slots, num_v_heads, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream)
+        ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream)
     if num_seqs * num_v_heads > 0:
         chunk_recurrence.ChunkRecurrence().launch(
             neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, initial_state, o, final_state, num_seqs,
@@ -92,5 +95,5 @@ def compile_arguments() -> tuple:
         tensor(_BF16, (tokens, v_heads, HEAD_DIM)),               # o
         tensor(_F32, (seqs, v_heads, HEAD_DIM, HEAD_DIM)),        # final_state
         tensor(cutlass.Uint8, (ws_len,)),                         # workspace
-        Int32(1), Int32(0), Int32(0), Float32(1.0), Float32(-5.0), make_fake_stream(),
+        Int32(1), Int32(0), Int32(0), Float32(1.0), Float32(-5.0), Int32(132), make_fake_stream(),
     )

@@ -1,7 +1,9 @@
 """KDA prefill, SM90, kernel 1 of 2: `prepare_chunks`, the token-parallel half.
 
-One CTA per (chunk slot, value head): 128 threads. In the element-wise phases thread d owns
-key/value channel d; the 16 x 16 and 16 x 128 products run on tensor cores (warp-level
+Work items are (chunk slot, value head) pairs; persistent CTAs of 128 threads stride over them
+(grid: up to CTAS_PER_SM per SM), prefetching the next item's raw q, k, g, v tiles with cp.async
+into a second shared-memory stage while they process the current one. In the element-wise phases
+thread d owns key/value channel d; the 16 x 16 and 16 x 128 products run on tensor cores (warp-level
 `mma.sync m16n8k8` TF32, fp32 accumulate). It turns the raw inputs of one 16-token chunk into the
 operands of the serial recurrence (`chunk_recurrence.py`), all independent of the state:
 
@@ -24,8 +26,8 @@ Rounding (tests/kda_chunk_model.py models it exactly): the fast path's factors k
 q 2^(G-ref), k 2^(ref-G) and, on both paths, W and k 2^G are rounded to TF32 (round to nearest,
 ties away) as tensor-core operands; v is bf16, hence exact in TF32. Products accumulate in fp32.
 
-Phases (four CTA barriers):
-    1  load q, k, v, g (thread d: channel d, 16 tokens), gate, cumsum; l2-norm partial sums
+Phases per item (four CTA barriers, after the one that publishes the item's stage):
+    1  q, k, g from the stage (thread d: channel d, 16 tokens), gate, cumsum; l2-norm partial sums
        (transposed warp reduction) and the fast-path vote                          -> barrier
     2  l2 norms; factor tiles into smem; qd, kr to global                          -> barrier
     3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2) -> barrier
@@ -35,7 +37,7 @@ Phases (four CTA barriers):
 
 Chunk slots: sequence n (tokens [bos_n, eos_n)) owns slots base(n) + c for its chunks c, with
 base(n) = bos_n // 16 + n. Slots never overlap and all lie below total_tokens // 16 + N, which
-is the workspace row count (see README.md). Slots that belong to no chunk exit at once.
+is the workspace row count (see README.md). Slots that belong to no chunk are skipped.
 """
 
 from __future__ import annotations
@@ -43,8 +45,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T
+from cutlass.cute.nvgpu import LoadCacheMode, cpasync
 
 CHUNK = 16
 HEAD_DIM = 128
@@ -69,15 +70,26 @@ FLAG_OUTPUT_FINAL_STATE = 1 << 4
 FLAG_STATE_V_FIRST = 1 << 5
 GATE_MODE_SHIFT = 8  # bits 8..9: 0 pre-activated, 1 softplus, 2 lower-bound*sigmoid(exp(A)x), 3 lower-bound*sigmoid(x)
 
+# Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
+# the next item's raw q, k, g, v tiles (cp.async, 16 bytes per copy) while it works on the current
+# one. Measured on the H200 (96 heads x 8K): 3 CTAs per SM with v staged 761 us; 4 CTAs per SM
+# with v read from global memory in phase 3 (the stages then fit four times) 847 us.
+CTAS_PER_SM = 3       # what shared memory allows (3 x 61.6 KB); registers would allow 4
+INPUT_TILES = 4       # q, k, g, v
+INPUT_STAGES = 2
+INPUT_STAGES_BYTES = INPUT_STAGES * INPUT_TILES * CHUNK * HEAD_DIM * 2   # 32 768
+COPIES_PER_THREAD = INPUT_TILES * CHUNK * HEAD_DIM // 8 // THREADS      # 8 x 16 bytes
+
 FACTOR_TILES_BYTES = 3 * CHUNK * FACTOR_PITCH * 4      # k/q/k factors: 3 x 16 x 132 x 4 = 25 344
 OPERAND_TILES_BYTES = 2 * HEAD_DIM * OPERAND_PITCH * 4  # k 2^G, v: 2 x 128 x 20 x 4 = 20 480 (aliases the above)
 assert OPERAND_TILES_BYTES <= FACTOR_TILES_BYTES
 
 
 def shared_memory_bytes() -> int:
-    """Shared memory of one CTA: the factor tiles (reused for the W-application operands),
-    L [16, 17], W [16, 20], beta, the l2-norm partial sums and norms, the fast-path vote."""
-    return (FACTOR_TILES_BYTES + CHUNK * (CHUNK + 1) * 4 + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4
+    """Shared memory of one CTA: the two input stages, the factor tiles (reused for the
+    W-application operands), L [16, 17], W [16, 20], beta, the l2-norm partial sums and norms,
+    the fast-path vote."""
+    return (INPUT_STAGES_BYTES + FACTOR_TILES_BYTES + CHUNK * (CHUNK + 1) * 4 + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4
             + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4)
 
 
@@ -98,7 +110,8 @@ def sequence_bounds(cu_seqlens: cute.Tensor, n: Int32, dense_len: Int32, total_t
 
 @cute.jit
 def tf32_bits(x: Float32) -> Int32:
-    """x rounded to TF32 (cvt.rna: nearest, ties away from zero), as the bits of an MMA operand."""
+    """x rounded to TF32 (cvt.rna: nearest, ties away from zero), as the bits of an MMA operand.
+    (An inline-asm add-and-mask version of the same rounding measured 8 % slower end to end.)"""
     return Int32(cute.arch.cvt_f32_tf32(x))
 
 
@@ -119,6 +132,68 @@ def warp_sums_transposed(vals: cute.Tensor, lane: Int32) -> Float32:
         for m in cutlass.range_constexpr(half):
             vals[m] = vals[m] + cute.arch.shuffle_sync_bfly(vals[m + half], offset=16 >> step)
     return vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=1)
+
+
+@cute.jit
+def locate_item(item: Int32, items: Int32, cu_seqlens: cute.Tensor, num_seqs: Int32, dense_len: Int32,
+                total_tokens: Int32, num_v_heads: Int32, varlen: cutlass.Boolean):
+    """(slot, hv, tok0, valid) of work item `item` = slot * HV + hv: the chunk's first token and
+    its number of tokens (0 for items past the end and for slots that belong to no chunk)."""
+    slot = item // num_v_heads
+    hv = item - slot * num_v_heads
+    tok0 = Int32(0)
+    valid = Int32(0)
+    if item < items:
+        # Sequence owning this slot: the largest n with base(n) = bos_n // 16 + n <= slot.
+        lo = Int32(0)
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            mid_bos, _ = sequence_bounds(cu_seqlens, mid, dense_len, total_tokens, varlen)
+            if mid_bos // CHUNK + mid <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        bos, eos = sequence_bounds(cu_seqlens, lo, dense_len, total_tokens, varlen)
+        chunk = slot - (bos // CHUNK + lo)
+        tok0 = bos + chunk * CHUNK
+        valid = cutlass.max(cutlass.min(eos - tok0, CHUNK), 0)
+    return slot, hv, tok0, valid
+
+
+@cute.jit
+def issue_input_loads(load_atom: cute.CopyAtom, s_stage: cute.Tensor, q: cute.Tensor, k: cute.Tensor,
+                      g: cute.Tensor, v: cute.Tensor, tok0: Int32, valid: Int32, hq: Int32, hv: Int32,
+                      tid: Int32):
+    """cp.async the chunk's q, k, g, v tiles [16 tokens, 128] into one input stage, 16 bytes per
+    copy; rows past the chunk's last valid token repeat that token (zeroed after loading)."""
+    if valid > 0:
+        for j in cutlass.range_constexpr(COPIES_PER_THREAD):
+            tile = j // 2
+            piece = tid + THREADS * (j % 2)
+            row = piece // (HEAD_DIM // 8)
+            col = piece % (HEAD_DIM // 8)
+            t = tok0 + cutlass.min(row, valid - 1)
+            src = (q, k, g, v)[tile][t, (hq, hq, hv, hv)[tile], None]
+            cute.copy(load_atom, cute.local_tile(src, (8,), (col,)),
+                      cute.local_tile(s_stage[tile, row, None], (8,), (col,)))
+
+
+@cute.jit
+def load_head_scalars(beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, tok0: Int32,
+                      valid: Int32, hv: Int32, d: Int32, gate_mode: Int32):
+    """Thread d's raw beta of token d (d < 16), exp(A_log) and dt_bias[hv, d] for one item."""
+    b = Float32(0.0)
+    a_exp = Float32(1.0)
+    bias = Float32(0.0)
+    if valid > 0:
+        if d < valid:
+            b = beta[tok0 + d, hv].to(Float32)
+        if gate_mode == 1 or gate_mode == 2:
+            a_exp = cute.math.exp(a_log[hv])
+        if gate_mode != 0:
+            bias = dt_bias[hv, d]
+    return b, a_exp, bias
 
 
 @cute.kernel
@@ -144,16 +219,24 @@ def prepare_chunks_kernel(
     lower_bound: Float32,
 ):
     d, _, _ = cute.arch.thread_idx()
-    slot, hv, _ = cute.arch.block_idx()
+    first_item, _, _ = cute.arch.block_idx()
+    num_ctas, _, _ = cute.arch.grid_dim()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = cute.arch.lane_idx()
     total_tokens = q.shape[0]
     num_q_heads = q.shape[1]
     num_v_heads = v.shape[1]
-    hq = hv // (num_v_heads // num_q_heads)
+    group = num_v_heads // num_q_heads
     varlen = (flags & FLAG_VARLEN) != 0
+    gate_mode = (flags >> GATE_MODE_SHIFT) & 3
+    items = (total_tokens // CHUNK + num_seqs) * num_v_heads
 
     smem = cutlass.memory.SmemAllocator()
+    # Raw input tiles, two stages of [q, k, g, v][16 tokens][128] bf16: 2 x 16 384 B.
+    s_in = smem.allocate_tensor(
+        cutlass.BFloat16,
+        cute.make_layout((INPUT_STAGES, INPUT_TILES, CHUNK, HEAD_DIM),
+                         stride=(INPUT_TILES * CHUNK * HEAD_DIM, CHUNK * HEAD_DIM, HEAD_DIM, 1)), 16)
     # Factor tiles, [0] k (or k 2^(G-ref)), [1] q (or q 2^(G-ref)), [2] G (or k 2^(ref-G)):
     # 3 x 16 x 132 x 4 B = 25 344 B. The fast path stores TF32 bits, the slow path floats.
     s_fac = smem.allocate_tensor(
@@ -171,254 +254,275 @@ def prepare_chunks_kernel(
     s_rnorm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)  # 512 B
     s_fast = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)                                  # 16 B
 
-    # Sequence owning this slot: the largest n with base(n) = bos_n // 16 + n <= slot.
-    lo = Int32(0)
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        mid_bos, _ = sequence_bounds(cu_seqlens, mid, dense_len, total_tokens, varlen)
-        if mid_bos // CHUNK + mid <= slot:
-            lo = mid
-        else:
-            hi = mid - 1
-    bos, eos = sequence_bounds(cu_seqlens, lo, dense_len, total_tokens, varlen)
-    chunk = slot - (bos // CHUNK + lo)
-    valid = eos - bos - chunk * CHUNK
-    if valid > 0:
-        valid = cutlass.min(valid, CHUNK)
-        tok0 = bos + chunk * CHUNK
-        row0 = (slot * num_v_heads + hv) * CHUNK
+    # cp.async.cg: 16-byte copies that skip L1 (each byte is read once).
+    load_atom = cute.make_copy_atom(cpasync.CopyG2SOp(LoadCacheMode.GLOBAL), cutlass.BFloat16,
+                                    num_bits_per_copy=128)
 
-        q_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-        k_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-        v_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-        cum = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-        kd_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+    # Prologue: the first item's inputs into stage 0.
+    item = first_item
+    slot, hv, tok0, valid = locate_item(item, items, cu_seqlens, num_seqs, dense_len, total_tokens,
+                                        num_v_heads, varlen)
+    issue_input_loads(load_atom, s_in[0, None, None, None], q, k, g, v, tok0, valid, hv // group, hv, d)
+    cute.arch.cp_async_commit_group()
+    beta_raw, a_exp, bias = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, gate_mode)
+    stage = Int32(0)
+    while item < items:
+        # Prefetch the next item into the other stage. Its previous contents (the item before
+        # this one) were last read before that item's final CTA barrier.
+        next_item = item + num_ctas
+        n_slot, n_hv, n_tok0, n_valid = locate_item(next_item, items, cu_seqlens, num_seqs, dense_len,
+                                                    total_tokens, num_v_heads, varlen)
+        issue_input_loads(load_atom, s_in[1 - stage, None, None, None], q, k, g, v, n_tok0, n_valid,
+                          n_hv // group, n_hv, d)
+        cute.arch.cp_async_commit_group()
+        n_beta_raw, n_a_exp, n_bias = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid, n_hv, d,
+                                                        gate_mode)
+        cute.arch.cp_async_wait_group(1)   # this thread's copies of the current item have landed
+        cute.arch.sync_threads()           # ... and everyone else's
+        if valid > 0:
+            prepare_one(s_in[stage, None, None, None], s_fac, s_fac_bits, s_op, s_op_bits, s_lower,
+                        s_w_bits, s_beta, s_norm, s_rnorm, s_fast,
+                        neg_kw_out, qd_out, kr_out, mqk_out, vw_out, decay_out,
+                        slot, hv, valid, beta_raw, a_exp, bias, num_v_heads, d, warp, lane,
+                        flags, gate_mode, scale, lower_bound)
+        item = next_item
+        slot, hv, tok0, valid = n_slot, n_hv, n_tok0, n_valid
+        beta_raw, a_exp, bias = n_beta_raw, n_a_exp, n_bias
+        stage = 1 - stage
+    cute.arch.cp_async_wait_group(0)
 
-        # ---- Phase 1: loads, gate, cumsum, l2-norm partial sums, fast-path vote.
-        gate_mode = (flags >> GATE_MODE_SHIFT) & 3
-        a_exp = Float32(1.0)
-        if gate_mode == 1 or gate_mode == 2:
-            a_exp = cute.math.exp(a_log[hv])
-        bias = Float32(0.0)
-        if gate_mode != 0:
-            bias = dt_bias[hv, d]
 
-        # Loads first and branch-free (a clamped token index), so that all 64 are in flight at
-        # once; tokens past the sequence end are zeroed afterwards (zero inputs, zero decay).
-        last = valid - 1
+@cute.jit
+def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tensor, s_op: cute.Tensor,
+                s_op_bits: cute.Tensor, s_lower: cute.Tensor, s_w_bits: cute.Tensor, s_beta: cute.Tensor,
+                s_norm: cute.Tensor, s_rnorm: cute.Tensor, s_fast: cute.Tensor,
+                neg_kw_out: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
+                vw_out: cute.Tensor, decay_out: cute.Tensor,
+                slot: Int32, hv: Int32, valid: Int32, beta_raw: Float32, a_exp: Float32, bias: Float32,
+                num_v_heads: Int32, d: Int32, warp: Int32, lane: Int32, flags: Int32, gate_mode: Int32,
+                scale: Float32, lower_bound: Float32):
+    """All five phases for one item whose raw tiles are in `s_stage` (CTA-uniform call)."""
+    row0 = (slot * num_v_heads + hv) * CHUNK
+
+    q_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+    k_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+    v_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+    cum = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+    kd_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+
+    # ---- Phase 1: gate, cumsum, l2-norm partial sums, fast-path vote; inputs from the stage
+    # (rows past the last valid token hold copies of it and are zeroed below: zero inputs,
+    # zero decay).
+    last = valid - 1
+    for i in cutlass.range_constexpr(CHUNK):
+        q_r[i] = s_stage[0, i, d].to(Float32)
+        k_r[i] = s_stage[1, i, d].to(Float32)
+        cum[i] = s_stage[2, i, d].to(Float32)
+    # Natural-log decay from the gate; one loop per mode so that each computes only its own.
+    if gate_mode == 1:
         for i in cutlass.range_constexpr(CHUNK):
-            t = tok0 + cutlass.min(last, i)
-            q_r[i] = q[t, hq, d].to(Float32)
-            k_r[i] = k[t, hq, d].to(Float32)
-            cum[i] = g[t, hv, d].to(Float32)
-        # Natural-log decay from the gate; one loop per mode so that each computes only its own.
-        if gate_mode == 1:
-            for i in cutlass.range_constexpr(CHUNK):
-                z = cum[i] + bias
-                softplus = z
-                if z <= Float32(20.0):
-                    softplus = cute.math.log1p(cute.math.exp(z))
-                cum[i] = -a_exp * softplus
-        elif gate_mode >= 2:
-            for i in cutlass.range_constexpr(CHUNK):
-                # lower_bound * sigmoid(z), with the hardware exp2 and reciprocal (relative
-                # error ~1e-7, far below the bf16 inputs' resolution).
-                z = (cum[i] + bias) * a_exp
-                denom = Float32(1.0) + cute.math.exp2(z * Float32(-LOG2E), fastmath=True)
-                cum[i] = lower_bound * cute.arch.rcp_approx(denom)
+            z = cum[i] + bias
+            softplus = z
+            if z <= Float32(20.0):
+                softplus = cute.math.log1p(cute.math.exp(z))
+            cum[i] = -a_exp * softplus
+    elif gate_mode >= 2:
         for i in cutlass.range_constexpr(CHUNK):
-            cum[i] = cum[i] * Float32(LOG2E)
-            if i > last:
-                q_r[i] = Float32(0.0)
-                k_r[i] = Float32(0.0)
-                cum[i] = Float32(0.0)
-        if d < CHUNK:
-            b = Float32(0.0)
-            if d < valid:
-                b = beta[tok0 + d, hv].to(Float32)
-                if (flags & FLAG_BETA_SIGMOID) != 0:
-                    b = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
-            s_beta[d] = b
+            # lower_bound * sigmoid(z), with the hardware exp2 and reciprocal (relative
+            # error ~1e-7, far below the bf16 inputs' resolution).
+            z = (cum[i] + bias) * a_exp
+            denom = Float32(1.0) + cute.math.exp2(z * Float32(-LOG2E), fastmath=True)
+            cum[i] = lower_bound * cute.arch.rcp_approx(denom)
+    for i in cutlass.range_constexpr(CHUNK):
+        cum[i] = cum[i] * Float32(LOG2E)
+        if i > last:
+            q_r[i] = Float32(0.0)
+            k_r[i] = Float32(0.0)
+            cum[i] = Float32(0.0)
+    if d < CHUNK:
+        b = beta_raw
+        if d < valid and (flags & FLAG_BETA_SIGMOID) != 0:
+            b = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
+        s_beta[d] = b
 
-        # Inclusive cumsum of the log2 decay; tokens past the end add nothing.
-        for i in cutlass.range_constexpr(1, CHUNK):
-            cum[i] = cum[i] + cum[i - 1]
-        g_last = cum[CHUNK - 1]
+    # Inclusive cumsum of the log2 decay; tokens past the end add nothing.
+    for i in cutlass.range_constexpr(1, CHUNK):
+        cum[i] = cum[i] + cum[i - 1]
+    g_last = cum[CHUNK - 1]
 
-        l2norm = (flags & FLAG_QK_L2NORM) != 0
-        if l2norm:
-            squares = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-            for i in cutlass.range_constexpr(CHUNK):
-                squares[i] = q_r[i] * q_r[i]
-            q_sum = warp_sums_transposed(squares, lane)
-            for i in cutlass.range_constexpr(CHUNK):
-                squares[i] = k_r[i] * k_r[i]
-            k_sum = warp_sums_transposed(squares, lane)
-            if lane % 2 == 0:
-                s_norm[warp, lane // 2] = q_sum
-                s_norm[warp, CHUNK + lane // 2] = k_sum
-
-        # Whole-CTA vote: factorized pair products are safe iff every channel's chunk decay
-        # stays within FAST_PATH_RANGE.
-        fast_here = cute.arch.vote_all_sync(g_last >= Float32(-FAST_PATH_RANGE))
-        if lane == 0:
-            s_fast[warp] = Int32(1) if fast_here else Int32(0)
-        cute.arch.sync_threads()
-
-        # ---- Phase 2: l2 norms, factor tiles, qd and kr.
-        if l2norm:
-            # Every warp finishes the 32 norms itself (lane l: value l) and shares them through
-            # its own row of s_rnorm.
-            total = s_norm[0, lane] + s_norm[1, lane] + s_norm[2, lane] + s_norm[3, lane]
-            s_rnorm[warp, lane] = cute.math.rsqrt(total + Float32(1e-6))
-            cute.arch.sync_warp()
-            for i in cutlass.range_constexpr(CHUNK):
-                q_r[i] = q_r[i] * s_rnorm[warp, i]
-                k_r[i] = k_r[i] * s_rnorm[warp, CHUNK + i]
-
-        fast = (s_fast[0] + s_fast[1] + s_fast[2] + s_fast[3]) == WARPS
-        if fast:
-            ref = g_last * Float32(0.5)
-            ref_scale = cute.math.exp2(ref, fastmath=True)  # 2^ref: 2^G = 2^(G-ref) 2^ref
-            q_scale = scale * ref_scale
-            for i in cutlass.range_constexpr(CHUNK):
-                up = cute.math.exp2(cum[i] - ref, fastmath=True)
-                down = cute.math.exp2(ref - cum[i], fastmath=True)
-                left = k_r[i] * up
-                query = q_r[i] * up
-                right = k_r[i] * down
-                s_fac_bits[0, i, d] = tf32_bits(left)
-                s_fac_bits[1, i, d] = tf32_bits(query)
-                s_fac_bits[2, i, d] = tf32_bits(right)
-                qd_out[row0 + i, d] = (query * q_scale).to(cutlass.BFloat16)
-                kr_out[row0 + i, d] = (right * ref_scale).to(cutlass.BFloat16)
-                kd_r[i] = left * ref_scale
-        else:
-            for i in cutlass.range_constexpr(CHUNK):
-                s_fac[0, i, d] = k_r[i]
-                s_fac[1, i, d] = q_r[i]
-                s_fac[2, i, d] = cum[i]
-                decay_i = cute.math.exp2(cum[i], fastmath=True)
-                qd_out[row0 + i, d] = (scale * q_r[i] * decay_i).to(cutlass.BFloat16)
-                kr_out[row0 + i, d] = (k_r[i] * cute.math.exp2(g_last - cum[i], fastmath=True)).to(cutlass.BFloat16)
-                kd_r[i] = k_r[i] * decay_i
-        decay_out[slot * num_v_heads + hv, d] = cute.math.exp2(g_last, fastmath=True)
-        cute.arch.sync_threads()
-
-        # ---- Phase 3: pair products A_kk (-> L) and Mqk.
-        # v is first needed in phase 4: loading it here keeps it out of the register peak of
-        # phases 1-2, and the pair products hide its latency.
+    l2norm = (flags & FLAG_QK_L2NORM) != 0
+    if l2norm:
+        squares = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
         for i in cutlass.range_constexpr(CHUNK):
-            v_r[i] = v[tok0 + cutlass.min(last, i), hv, d].to(Float32)
-            if i > last:
-                v_r[i] = Float32(0.0)
-        mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaTF32Op((16, 8, MMA_K)))
-        thr = mma.get_slice(lane)
-        crd_c = thr.partition_C(cute.make_identity_tensor((CHUNK, 8)))
-        if fast:
-            # Warp w: rows of factor tile w // 2 (k or q) against columns 8 (w % 2) .. + 7.
-            product = warp // 2
-            col0 = (warp % 2) * 8
-            crd_a = thr.partition_A(cute.make_identity_tensor((CHUNK, MMA_K)))
-            crd_b = thr.partition_B(cute.make_identity_tensor((8, MMA_K)))
-            frag_a = thr.make_fragment_A(thr.partition_shape_A((CHUNK, MMA_K)))
-            frag_b = thr.make_fragment_B(thr.partition_shape_B((8, MMA_K)))
-            acc = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
-            acc.fill(0.0)
-            for kb in cutlass.range_constexpr(HEAD_DIM // MMA_K):
-                for e in cutlass.range_constexpr(cute.size(frag_a)):
-                    m, kk = crd_a[e]
-                    frag_a[e] = s_fac_bits[product, m, kb * MMA_K + kk]
-                for e in cutlass.range_constexpr(cute.size(frag_b)):
-                    n, kk = crd_b[e]
-                    frag_b[e] = s_fac_bits[2, col0 + n, kb * MMA_K + kk]
-                cute.gemm(mma, acc, frag_a, frag_b, acc)
-            # Entries above the diagonal can overflow (factors up to 2^100 each): select, never scale.
-            if product == 0:
-                for e in cutlass.range_constexpr(cute.size(acc)):
-                    i, jj = crd_c[e]
-                    j = col0 + jj
-                    lower = Float32(0.0)
-                    if j < i:
-                        lower = acc[e] * s_beta[i]
-                    s_lower[i, j] = lower
-            else:
-                for e in cutlass.range_constexpr(cute.size(acc)):
-                    i, jj = crd_c[e]
-                    j = col0 + jj
-                    m_ij = Float32(0.0)
-                    if j <= i:
-                        m_ij = acc[e] * scale
-                    mqk_out[row0 + i, j] = m_ij.to(cutlass.BFloat16)
-        else:
-            # Exact element-wise decays on CUDA cores: thread (i, j0) computes rows i, columns
-            # j0 and j0 + 8; s_fac holds k, q and G.
-            pi = d // 8
-            for half in cutlass.range_constexpr(2):
-                pj = d % 8 + half * 8
-                acc_kk = Float32(0.0)
-                acc_qk = Float32(0.0)
-                if pj <= pi:
-                    for e in cutlass.range(HEAD_DIM, unroll=8):
-                        r = s_fac[0, pj, e] * cute.math.exp2(s_fac[2, pi, e] - s_fac[2, pj, e], fastmath=True)
-                        acc_kk = acc_kk + s_fac[0, pi, e] * r
-                        acc_qk = acc_qk + s_fac[1, pi, e] * r
+            squares[i] = q_r[i] * q_r[i]
+        q_sum = warp_sums_transposed(squares, lane)
+        for i in cutlass.range_constexpr(CHUNK):
+            squares[i] = k_r[i] * k_r[i]
+        k_sum = warp_sums_transposed(squares, lane)
+        if lane % 2 == 0:
+            s_norm[warp, lane // 2] = q_sum
+            s_norm[warp, CHUNK + lane // 2] = k_sum
+
+    # Whole-CTA vote: factorized pair products are safe iff every channel's chunk decay
+    # stays within FAST_PATH_RANGE.
+    fast_here = cute.arch.vote_all_sync(g_last >= Float32(-FAST_PATH_RANGE))
+    if lane == 0:
+        s_fast[warp] = Int32(1) if fast_here else Int32(0)
+    cute.arch.sync_threads()
+
+    # ---- Phase 2: l2 norms, factor tiles, qd and kr.
+    if l2norm:
+        # Every warp finishes the 32 norms itself (lane l: value l) and shares them through
+        # its own row of s_rnorm.
+        total = s_norm[0, lane] + s_norm[1, lane] + s_norm[2, lane] + s_norm[3, lane]
+        s_rnorm[warp, lane] = cute.math.rsqrt(total + Float32(1e-6))
+        cute.arch.sync_warp()
+        for i in cutlass.range_constexpr(CHUNK):
+            q_r[i] = q_r[i] * s_rnorm[warp, i]
+            k_r[i] = k_r[i] * s_rnorm[warp, CHUNK + i]
+
+    fast = (s_fast[0] + s_fast[1] + s_fast[2] + s_fast[3]) == WARPS
+    if fast:
+        ref = g_last * Float32(0.5)
+        ref_scale = cute.math.exp2(ref, fastmath=True)  # 2^ref: 2^G = 2^(G-ref) 2^ref
+        q_scale = scale * ref_scale
+        for i in cutlass.range_constexpr(CHUNK):
+            up = cute.math.exp2(cum[i] - ref, fastmath=True)
+            down = cute.math.exp2(ref - cum[i], fastmath=True)
+            left = k_r[i] * up
+            query = q_r[i] * up
+            right = k_r[i] * down
+            s_fac_bits[0, i, d] = tf32_bits(left)
+            s_fac_bits[1, i, d] = tf32_bits(query)
+            s_fac_bits[2, i, d] = tf32_bits(right)
+            qd_out[row0 + i, d] = (query * q_scale).to(cutlass.BFloat16)
+            kr_out[row0 + i, d] = (right * ref_scale).to(cutlass.BFloat16)
+            kd_r[i] = left * ref_scale
+    else:
+        for i in cutlass.range_constexpr(CHUNK):
+            s_fac[0, i, d] = k_r[i]
+            s_fac[1, i, d] = q_r[i]
+            s_fac[2, i, d] = cum[i]
+            decay_i = cute.math.exp2(cum[i], fastmath=True)
+            qd_out[row0 + i, d] = (scale * q_r[i] * decay_i).to(cutlass.BFloat16)
+            kr_out[row0 + i, d] = (k_r[i] * cute.math.exp2(g_last - cum[i], fastmath=True)).to(cutlass.BFloat16)
+            kd_r[i] = k_r[i] * decay_i
+    decay_out[slot * num_v_heads + hv, d] = cute.math.exp2(g_last, fastmath=True)
+    cute.arch.sync_threads()
+
+    # ---- Phase 3: pair products A_kk (-> L) and Mqk.
+    # v is first needed in phase 4: reading it here keeps it out of the register peak of
+    # phases 1-2.
+    for i in cutlass.range_constexpr(CHUNK):
+        v_r[i] = s_stage[3, i, d].to(Float32)
+        if i > last:
+            v_r[i] = Float32(0.0)
+    mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaTF32Op((16, 8, MMA_K)))
+    thr = mma.get_slice(lane)
+    crd_c = thr.partition_C(cute.make_identity_tensor((CHUNK, 8)))
+    if fast:
+        # Warp w: rows of factor tile w // 2 (k or q) against columns 8 (w % 2) .. + 7.
+        product = warp // 2
+        col0 = (warp % 2) * 8
+        crd_a = thr.partition_A(cute.make_identity_tensor((CHUNK, MMA_K)))
+        crd_b = thr.partition_B(cute.make_identity_tensor((8, MMA_K)))
+        frag_a = thr.make_fragment_A(thr.partition_shape_A((CHUNK, MMA_K)))
+        frag_b = thr.make_fragment_B(thr.partition_shape_B((8, MMA_K)))
+        acc = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
+        acc.fill(0.0)
+        for kb in cutlass.range_constexpr(HEAD_DIM // MMA_K):
+            for e in cutlass.range_constexpr(cute.size(frag_a)):
+                m, kk = crd_a[e]
+                frag_a[e] = s_fac_bits[product, m, kb * MMA_K + kk]
+            for e in cutlass.range_constexpr(cute.size(frag_b)):
+                n, kk = crd_b[e]
+                frag_b[e] = s_fac_bits[2, col0 + n, kb * MMA_K + kk]
+            cute.gemm(mma, acc, frag_a, frag_b, acc)
+        # Entries above the diagonal can overflow (factors up to 2^100 each): select, never scale.
+        if product == 0:
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, jj = crd_c[e]
+                j = col0 + jj
                 lower = Float32(0.0)
-                if pj < pi:
-                    lower = acc_kk * s_beta[pi]
-                s_lower[pi, pj] = lower
-                mqk_out[row0 + pi, pj] = (acc_qk * scale).to(cutlass.BFloat16)
-        cute.arch.sync_threads()
+                if j < i:
+                    lower = acc[e] * s_beta[i]
+                s_lower[i, j] = lower
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, jj = crd_c[e]
+                j = col0 + jj
+                m_ij = Float32(0.0)
+                if j <= i:
+                    m_ij = acc[e] * scale
+                mqk_out[row0 + i, j] = m_ij.to(cutlass.BFloat16)
+    else:
+        # Exact element-wise decays on CUDA cores: thread (i, j0) computes rows i, columns
+        # j0 and j0 + 8; s_fac holds k, q and G.
+        pi = d // 8
+        for half in cutlass.range_constexpr(2):
+            pj = d % 8 + half * 8
+            acc_kk = Float32(0.0)
+            acc_qk = Float32(0.0)
+            if pj <= pi:
+                for e in cutlass.range(HEAD_DIM, unroll=8):
+                    r = s_fac[0, pj, e] * cute.math.exp2(s_fac[2, pi, e] - s_fac[2, pj, e], fastmath=True)
+                    acc_kk = acc_kk + s_fac[0, pi, e] * r
+                    acc_qk = acc_qk + s_fac[1, pi, e] * r
+            lower = Float32(0.0)
+            if pj < pi:
+                lower = acc_kk * s_beta[pi]
+            s_lower[pi, pj] = lower
+            mqk_out[row0 + pi, pj] = (acc_qk * scale).to(cutlass.BFloat16)
+    cute.arch.sync_threads()
 
-        # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c) and the
-        # W-application operands (every thread: its channel, over the free factor tiles).
-        kd_bits = cute.make_rmem_tensor(cute.make_layout(CHUNK), Int32)
+    # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c) and the
+    # W-application operands (every thread: its channel, over the free factor tiles).
+    kd_bits = cute.make_rmem_tensor(cute.make_layout(CHUNK), Int32)
+    for i in cutlass.range_constexpr(CHUNK):
+        kd_bits[i] = tf32_bits(kd_r[i])
+    cute.autovec_copy(kd_bits, s_op_bits[0, d, None])
+    cute.autovec_copy(v_r, s_op[1, d, None])
+    if d < CHUNK:
+        col = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
         for i in cutlass.range_constexpr(CHUNK):
-            kd_bits[i] = tf32_bits(kd_r[i])
-        cute.autovec_copy(kd_bits, s_op_bits[0, d, None])
-        cute.autovec_copy(v_r, s_op[1, d, None])
-        if d < CHUNK:
-            col = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-            for i in cutlass.range_constexpr(CHUNK):
-                x = Float32(1.0) if d == i else Float32(0.0)
-                for j in cutlass.range_constexpr(i):
-                    x = x - s_lower[i, j] * col[j]
-                col[i] = x
-            b = s_beta[d]
-            for i in cutlass.range_constexpr(CHUNK):
-                s_w_bits[i, d] = tf32_bits(col[i] * b)
-        cute.arch.sync_threads()
+            x = Float32(1.0) if d == i else Float32(0.0)
+            for j in cutlass.range_constexpr(i):
+                x = x - s_lower[i, j] * col[j]
+            col[i] = x
+        b = s_beta[d]
+        for i in cutlass.range_constexpr(CHUNK):
+            s_w_bits[i, d] = tf32_bits(col[i] * b)
+    cute.arch.sync_threads()
 
-        # ---- Phase 5: neg_kw = -W (k 2^G), vw = W v; warp w owns channels 32 w .. 32 w + 31.
-        crd_w = thr.partition_A(cute.make_identity_tensor((CHUNK, CHUNK)))
-        crd_kv = thr.partition_B(cute.make_identity_tensor((8, CHUNK)))
-        frag_w = thr.make_fragment_A(thr.partition_shape_A((CHUNK, CHUNK)))
-        frag_kd = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
-        frag_v = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
-        acc_kd = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
-        acc_v = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
-        for e in cutlass.range_constexpr(cute.size(frag_w)):
-            m, kk = crd_w[e]
-            frag_w[e] = s_w_bits[m, kk]
-        for nt in cutlass.range_constexpr(32 // 8):
-            ch0 = warp * 32 + nt * 8
-            for e in cutlass.range_constexpr(cute.size(frag_kd)):
-                n, kk = crd_kv[e]
-                frag_kd[e] = s_op_bits[0, ch0 + n, kk]
-                frag_v[e] = s_op_bits[1, ch0 + n, kk]
-            acc_kd.fill(0.0)
-            acc_v.fill(0.0)
-            cute.gemm(mma, acc_kd, frag_w, frag_kd, acc_kd)
-            cute.gemm(mma, acc_v, frag_w, frag_v, acc_v)
-            # Accumulator values (2 h, 2 h + 1) are columns (n, n + 1) of one row: paired stores.
-            for h in cutlass.range_constexpr(2):
-                i, n = crd_c[2 * h]
-                pair_kw = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
-                pair_vw = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                for e in cutlass.range_constexpr(2):
-                    pair_kw[e] = (-acc_kd[2 * h + e]).to(cutlass.BFloat16)
-                    pair_vw[e] = acc_v[2 * h + e]
-                pair_col = (ch0 + n) // 2
-                cute.autovec_copy(pair_kw, cute.local_tile(neg_kw_out[row0 + i, None], (2,), (pair_col,)))
-                cute.autovec_copy(pair_vw, cute.local_tile(vw_out[row0 + i, None], (2,), (pair_col,)))
+    # ---- Phase 5: neg_kw = -W (k 2^G), vw = W v; warp w owns channels 32 w .. 32 w + 31.
+    crd_w = thr.partition_A(cute.make_identity_tensor((CHUNK, CHUNK)))
+    crd_kv = thr.partition_B(cute.make_identity_tensor((8, CHUNK)))
+    frag_w = thr.make_fragment_A(thr.partition_shape_A((CHUNK, CHUNK)))
+    frag_kd = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
+    frag_v = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
+    acc_kd = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
+    acc_v = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
+    for e in cutlass.range_constexpr(cute.size(frag_w)):
+        m, kk = crd_w[e]
+        frag_w[e] = s_w_bits[m, kk]
+    for nt in cutlass.range_constexpr(32 // 8):
+        ch0 = warp * 32 + nt * 8
+        for e in cutlass.range_constexpr(cute.size(frag_kd)):
+            n, kk = crd_kv[e]
+            frag_kd[e] = s_op_bits[0, ch0 + n, kk]
+            frag_v[e] = s_op_bits[1, ch0 + n, kk]
+        acc_kd.fill(0.0)
+        acc_v.fill(0.0)
+        cute.gemm(mma, acc_kd, frag_w, frag_kd, acc_kd)
+        cute.gemm(mma, acc_v, frag_w, frag_v, acc_v)
+        # Accumulator values (2 h, 2 h + 1) are columns (n, n + 1) of one row: paired stores.
+        for h in cutlass.range_constexpr(2):
+            i, n = crd_c[2 * h]
+            pair_kw = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
+            pair_vw = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            for e in cutlass.range_constexpr(2):
+                pair_kw[e] = (-acc_kd[2 * h + e]).to(cutlass.BFloat16)
+                pair_vw[e] = acc_v[2 * h + e]
+            pair_col = (ch0 + n) // 2
+            cute.autovec_copy(pair_kw, cute.local_tile(neg_kw_out[row0 + i, None], (2,), (pair_col,)))
+            cute.autovec_copy(pair_vw, cute.local_tile(vw_out[row0 + i, None], (2,), (pair_col,)))
