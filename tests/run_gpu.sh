@@ -22,7 +22,8 @@ step() {  # step NAME COMMAND...: runs, logs, records failure
   if "$@" >"$logs/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (see $logs/$name.log)"; tail -30 "$logs/$name.log"; status=1; fi
 }
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
-step gpu-tests python3 -m pytest -q -m gpu -rs "$here/tests" -p no:cacheprovider
+step gpu-tests python3 -m pytest -q -m gpu -rsP "$here/tests" -p no:cacheprovider
+grep -h "err_ratio" "$logs/gpu-tests.log" | sort -u | sed 's/^/   /'  # accuracy per case (printed by the tests)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 for tool in memcheck racecheck; do
   step "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 "$here/tests/sanitize_prefill.py"
