@@ -5,12 +5,14 @@
     python benchmarks/bench_prefill.py --merge a/results.json b/results.json --out merged/
 
 How it measures (printed with the results): for each implementation, K back-to-back calls on K
-different input sets (enough sets that they exceed 4x the 60 MB L2, so no call finds its inputs
-in cache), one device synchronisation, wall-clock time / K; the median of `--reps` such
-measurements after a warm-up. The same method times FLA (torch) and jax_kda (one jitted XLA
-program holding the K calls), so host dispatch is amortised the same way for both. Inputs are
-fresh random draws (never zeros); FLA and jax_kda get the same arrays (DLPack), and their outputs
-are checked against each other before anything is timed.
+different input sets (at least 8, and enough that they exceed 4x the 60 MB L2, so no call finds
+its inputs in cache), one device synchronisation, wall-clock time / K; the median of `--reps` such
+measurements after a warm-up. The same method times FLA (K eager torch calls) and jax_kda (one
+jitted XLA program holding the K calls), so host dispatch is amortised the same way for both. The first set is a
+fresh random draw (never zeros); the others are that set with every floating-point array rolled
+along its longest axis (distinct buffers and values, made on the device in milliseconds instead
+of minutes of host RNG). FLA and jax_kda get the same arrays (DLPack), and their outputs are
+checked against each other before anything is timed.
 
 FLA is optional: install `fla-core==0.6.0` (it needs torch and triton); `FLA_FLASH_KDA=0` is set so
 it does not hand off to another library.
@@ -44,9 +46,23 @@ FLASHKDA_US = dict(
     h32_fixed8k=985, h32_fixed32k=3794, h12_fixed8k=858, h8_fixed64k=6351, h16_8x4k=853,
 )
 METHOD = (
-    "K back-to-back calls on K distinct input sets (> 4x L2), one sync, wall time / K; "
-    "median of --reps measurements after warm-up; same method for every implementation"
+    "K >= 8 back-to-back calls on K distinct input sets (> 4x L2), one sync; device time = first GPU "
+    "activity start to last activity end (CUPTI via torch.profiler) / K, median of 3; wall time / K, "
+    "median of --reps, also recorded; same method for every implementation"
 )
+
+
+def derived_set(args, kwargs, i: int):
+    """Input set i > 0: every floating-point array of the first set rolled along its longest axis
+    by a shift that depends on i (integer arrays such as cu_seqlens are kept)."""
+
+    def roll(x):
+        if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jnp.floating) or x.size < 2:
+            return x
+        axis = int(np.argmax(x.shape))
+        return jnp.roll(x, max(1, (7919 * i) % x.shape[axis]), axis=axis)
+
+    return tuple(roll(a) for a in args), {key: roll(v) for key, v in kwargs.items()}
 
 
 def input_bytes(args, kwargs) -> int:
@@ -60,20 +76,47 @@ def split_kwargs(kwargs):
     return arrays, static
 
 
+def device_seconds(run, calls: int):
+    """GPU time per call of `run()` (which makes `calls` calls and waits for them): from the start
+    of its first GPU activity to the end of its last, recorded by CUPTI through the PyTorch
+    profiler (it sees every kernel of the process, jax's included). Idle gaps between the calls'
+    kernels count, as they do under CUDA events. None where torch with CUDA is unavailable."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    spans = [e.time_range for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not spans:
+        return None
+    return (max(s.end for s in spans) - min(s.start for s in spans)) * 1e-6 / calls
+
+
+def measure(run, calls: int, reps: int) -> dict:
+    """Median device time (when measurable) and wall time per call of `run`, after a warm-up."""
+    run()
+    wall = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        wall.append((time.perf_counter() - start) / calls)
+    device = [device_seconds(run, calls) for _ in range(min(reps, 3))]
+    return dict(wall=statistics.median(wall),
+                device=statistics.median(device) if None not in device else None)
+
+
 def time_jax(sets, static, backend, reps):
-    """Median seconds per call of jax_kda.prefill over the K input sets."""
+    """Per-call times of jax_kda.prefill over the K input sets (one jitted program of K calls)."""
 
     @jax.jit
     def many(all_sets):
         return [jax_kda.prefill(*a, **kw, **static, backend=backend) for a, kw in all_sets]
 
-    jax.block_until_ready(many(sets))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(many(sets))
-        samples.append((time.perf_counter() - start) / len(sets))
-    return statistics.median(samples), samples
+    return measure(lambda: jax.block_until_ready(many(sets)), len(sets), reps)
 
 
 def fla_call(torch_sets_i, static):
@@ -114,25 +157,22 @@ def to_torch(sets):
 def time_fla(torch_sets, static, reps):
     import torch
 
-    for s in torch_sets:  # first call per shape autotunes
-        fla_call(s, static)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
+    for t in torch_sets:  # the first call per shape autotunes
+        fla_call(t, static)
+
+    def run():
+        for t in torch_sets:
+            fla_call(t, static)
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for s in torch_sets:
-            fla_call(s, static)
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / len(torch_sets))
-    return statistics.median(samples), samples
+
+    return measure(run, len(torch_sets), reps)
 
 
 def run_case(w: Workload, args, rng) -> dict:
     first_args, first_kwargs = make_inputs(w, rng)
     set_bytes = input_bytes(first_args, first_kwargs)
-    k = min(max(2, math.ceil(4 * L2_BYTES / set_bytes)), 16)
-    sets = [(first_args, first_kwargs)] + [make_inputs(w, rng) for _ in range(k - 1)]
+    k = min(max(8, math.ceil(4 * L2_BYTES / set_bytes)), 16)
+    sets = [(first_args, first_kwargs)] + [derived_set(first_args, first_kwargs, i) for i in range(1, k)]
     static = split_kwargs(first_kwargs)[1]
     sets = [(a, split_kwargs(kw)[0]) for a, kw in sets]
 
@@ -155,12 +195,18 @@ def run_case(w: Workload, args, rng) -> dict:
         row["agree_state"] = gold.err_ratio(np.asarray(ours_state), fla_state.float().cpu().numpy())
         if row["agree_o"] > 2e-2 or row["agree_state"] > 2e-2:
             raise SystemExit(f"{w.name}: jax_kda and FLA disagree: {row}")
-        row["fla_us"] = time_fla(torch_sets, static, args.reps)[0] * 1e6
+        fla = time_fla(torch_sets, static, args.reps)
+        row["fla_us"] = (fla["device"] or fla["wall"]) * 1e6
+        row["fla_wall_us"] = fla["wall"] * 1e6
         del torch_sets
         torch.cuda.empty_cache()
-    row["jax_kda_us"] = time_jax(sets, static, args.backend, args.reps)[0] * 1e6
+    ours = time_jax(sets, static, args.backend, args.reps)
+    row["timing"] = "device" if ours["device"] else "wall"
+    row["jax_kda_us"] = (ours["device"] or ours["wall"]) * 1e6
+    row["jax_kda_wall_us"] = ours["wall"] * 1e6
     if args.xla:
-        row["xla_us"] = time_jax(sets, static, "xla", max(args.reps // 4, 3))[0] * 1e6
+        xla = time_jax(sets, static, "xla", max(args.reps // 4, 3))
+        row["xla_us"] = (xla["device"] or xla["wall"]) * 1e6
     return row
 
 
