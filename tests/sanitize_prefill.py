@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck python tests/sanitize_prefill.py
 
 Covers packed sequences with zero-length ones and partial 16-token tiles, H = 12, T = 17, dense
-B > 1, no initial state, and the in-place (aliased) state. Exits non-zero if a result is off.
+B > 1, no initial state, the in-place (aliased) state, and persistent prepare CTAs that process
+several items each. Exits non-zero if a result is off.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ CASES = [
     Workload("dense_t17_b2", batch=2, seqlen=17, heads=2, gate="softplus", **D),
     Workload("pre_minus60_no_state", seqlen=40, heads=1, gate="preactivated", decay_floor=-60.0,
              initial_state=False, state_v_first=True, **D),
+    # More (chunk, head) items than prepare_chunks has CTAs on a 132-SM GPU (3 per SM): CTAs walk
+    # several items and reuse their two input stages.
+    Workload("multi_item", seqlen=4000, heads=2, **D),
 ]
 
 seed = int(os.environ.get("JAX_KDA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
