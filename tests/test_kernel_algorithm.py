@@ -142,3 +142,50 @@ def test_tf32_round_keeps_ten_mantissa_bits_rounding_ties_away_from_zero():
     rounded = model.tf32_round(x)
     assert np.array_equal(rounded, expected)
     assert np.all(rounded.view(np.uint32) & np.uint32(0x1FFF) == 0)
+
+
+def _bounds(cu, n, total):
+    bos = min(max(cu[n], 0), total)
+    return bos, min(max(cu[n + 1], bos), total)
+
+
+def _slot_chunk_by_search(cu, n_seqs, total, slot):
+    """prepare_chunks' slot -> chunk map, as a binary search: the largest n with base(n) <= slot."""
+    lo, hi = 0, n_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _bounds(cu, mid, total)[0] // 16 + mid <= slot:
+            lo = mid
+        else:
+            hi = mid - 1
+    bos, eos = _bounds(cu, lo, total)
+    tok0 = bos + (slot - (bos // 16 + lo)) * 16
+    return tok0, max(min(eos - tok0, 16), 0)
+
+
+def test_sequence_cursor_matches_binary_search():
+    """prepare_chunks' persistent CTAs find each item's sequence with a cursor that only moves
+    forward (csrc/kernels/sm90/prepare_chunks.py, locate_item); same chunks as a binary search."""
+    rng = np.random.default_rng()
+    big = 2**31 - 1
+    for _ in range(500):
+        lens = rng.choice([0, 0, 1, 5, 16, 17, 33, 100], size=rng.integers(1, 12))
+        cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        n_seqs, total = len(lens), cu[-1]
+        heads, ctas = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        base = lambda n: big if n >= n_seqs else _bounds(cu, n, total)[0] // 16 + n  # noqa: E731
+        items = (total // 16 + n_seqs) * heads
+        for first in range(min(ctas, items)):
+            seq, (bos, eos), next_base = 0, _bounds(cu, 0, total), base(1)
+            for item in range(first, items, ctas):
+                slot = item // heads
+                if slot >= next_base:
+                    lo, hi = seq + 1, n_seqs - 1
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        lo, hi = (mid, hi) if base(mid) <= slot else (lo, mid - 1)
+                    seq, (bos, eos), next_base = lo, _bounds(cu, lo, total), base(lo + 1)
+                tok0 = bos + (slot - (bos // 16 + seq)) * 16
+                valid = max(min(eos - tok0, 16), 0)
+                want_tok0, want_valid = _slot_chunk_by_search(cu, n_seqs, total, slot)
+                assert valid == want_valid and (valid == 0 or tok0 == want_tok0), (cu, slot)

@@ -135,30 +135,50 @@ def warp_sums_transposed(vals: cute.Tensor, lane: Int32) -> Float32:
 
 
 @cute.jit
+def sequence_base(cu_seqlens: cute.Tensor, n: Int32, num_seqs: Int32, dense_len: Int32,
+                  total_tokens: Int32, varlen: cutlass.Boolean) -> Int32:
+    """base(n) = bos_n // 16 + n, the first chunk slot of sequence n; past the last sequence, a
+    value above every slot."""
+    base = Int32(2147483647)
+    if n < num_seqs:
+        bos, _ = sequence_bounds(cu_seqlens, n, dense_len, total_tokens, varlen)
+        base = bos // CHUNK + n
+    return base
+
+
+@cute.jit
 def locate_item(item: Int32, items: Int32, cu_seqlens: cute.Tensor, num_seqs: Int32, dense_len: Int32,
-                total_tokens: Int32, num_v_heads: Int32, varlen: cutlass.Boolean):
+                total_tokens: Int32, num_v_heads: Int32, varlen: cutlass.Boolean,
+                seq: Int32, bos: Int32, eos: Int32, next_base: Int32):
     """(slot, hv, tok0, valid) of work item `item` = slot * HV + hv: the chunk's first token and
-    its number of tokens (0 for items past the end and for slots that belong to no chunk)."""
+    its number of tokens (0 for items past the end and for slots that belong to no chunk), plus the
+    updated cursor (seq, bos, eos, next_base = base(seq + 1)).
+
+    A CTA's items come in increasing slot order, so the owning sequence (the largest n with
+    base(n) <= slot) never moves back: the cursor answers most items with no memory access, and
+    a binary search over the later sequences runs only when the slot passes base(seq + 1)."""
     slot = item // num_v_heads
     hv = item - slot * num_v_heads
     tok0 = Int32(0)
     valid = Int32(0)
     if item < items:
-        # Sequence owning this slot: the largest n with base(n) = bos_n // 16 + n <= slot.
-        lo = Int32(0)
-        hi = num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            mid_bos, _ = sequence_bounds(cu_seqlens, mid, dense_len, total_tokens, varlen)
-            if mid_bos // CHUNK + mid <= slot:
-                lo = mid
-            else:
-                hi = mid - 1
-        bos, eos = sequence_bounds(cu_seqlens, lo, dense_len, total_tokens, varlen)
-        chunk = slot - (bos // CHUNK + lo)
+        if slot >= next_base:
+            # Invariant kept: base(lo) <= slot (base(seq + 1) <= slot to start with).
+            lo = seq + 1
+            hi = num_seqs - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if sequence_base(cu_seqlens, mid, num_seqs, dense_len, total_tokens, varlen) <= slot:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            seq = lo
+            bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, varlen)
+            next_base = sequence_base(cu_seqlens, seq + 1, num_seqs, dense_len, total_tokens, varlen)
+        chunk = slot - (bos // CHUNK + seq)
         tok0 = bos + chunk * CHUNK
         valid = cutlass.max(cutlass.min(eos - tok0, CHUNK), 0)
-    return slot, hv, tok0, valid
+    return slot, hv, tok0, valid, seq, bos, eos, next_base
 
 
 @cute.jit
@@ -258,10 +278,14 @@ def prepare_chunks_kernel(
     load_atom = cute.make_copy_atom(cpasync.CopyG2SOp(LoadCacheMode.GLOBAL), cutlass.BFloat16,
                                     num_bits_per_copy=128)
 
-    # Prologue: the first item's inputs into stage 0.
+    # Prologue: the sequence cursor at sequence 0, the first item's inputs into stage 0.
+    seq = Int32(0)
+    bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, varlen)
+    next_base = sequence_base(cu_seqlens, seq + 1, num_seqs, dense_len, total_tokens, varlen)
     item = first_item
-    slot, hv, tok0, valid = locate_item(item, items, cu_seqlens, num_seqs, dense_len, total_tokens,
-                                        num_v_heads, varlen)
+    slot, hv, tok0, valid, seq, bos, eos, next_base = locate_item(
+        item, items, cu_seqlens, num_seqs, dense_len, total_tokens, num_v_heads, varlen,
+        seq, bos, eos, next_base)
     issue_input_loads(load_atom, s_in[0, None, None, None], q, k, g, v, tok0, valid, hv // group, hv, d)
     cute.arch.cp_async_commit_group()
     beta_raw, a_exp, bias = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, gate_mode)
@@ -270,8 +294,9 @@ def prepare_chunks_kernel(
         # Prefetch the next item into the other stage. Its previous contents (the item before
         # this one) were last read before that item's final CTA barrier.
         next_item = item + num_ctas
-        n_slot, n_hv, n_tok0, n_valid = locate_item(next_item, items, cu_seqlens, num_seqs, dense_len,
-                                                    total_tokens, num_v_heads, varlen)
+        n_slot, n_hv, n_tok0, n_valid, seq, bos, eos, next_base = locate_item(
+            next_item, items, cu_seqlens, num_seqs, dense_len, total_tokens, num_v_heads, varlen,
+            seq, bos, eos, next_base)
         issue_input_loads(load_atom, s_in[1 - stage, None, None, None], q, k, g, v, n_tok0, n_valid,
                           n_hv // group, n_hv, d)
         cute.arch.cp_async_commit_group()
