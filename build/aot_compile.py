@@ -41,8 +41,13 @@ class KernelExport:
 
 KERNELS = (
     KernelExport(name="gate_activation", module="gate_activation", entry="gate_activation"),
-    # Warpgroup MMA (wgmma) is Hopper-only: the Blackwell prefill will be a kernel of its own.
+    # Hopper: the recurrence on warpgroup MMAs (wgmma exists only on sm_90a).
     KernelExport(name="prefill", module="sm90.kda_prefill", entry="prefill", archs=("sm_90a",)),
+    # Blackwell: the recurrence on warp-level MMAs.
+    KernelExport(name="prefill", module="sm100.kda_prefill", entry="prefill", archs=("sm_100a",)),
+    # The Blackwell kernels built for Hopper too, so that a Hopper GPU can test them
+    # (custom call target jax_kda_prefill_sm90_mma; not a user-facing backend).
+    KernelExport(name="prefill_mma", module="sm100.kda_prefill", entry="prefill", archs=("sm_90a",)),
 )
 
 

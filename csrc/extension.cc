@@ -41,10 +41,15 @@ NB_MODULE(_jax_kda_ext, m) {
         gate_activation["instantiate"] = jax_kda::EncapsulateHandler(jax_kda::kGateActivationInstantiate);
         gate_activation["execute"] = jax_kda::EncapsulateHandler(jax_kda::kGateActivationExecute);
         targets["jax_kda_gate_activation"] = gate_activation;
-        nb::dict prefill_sm90;
-        prefill_sm90["instantiate"] = jax_kda::EncapsulateHandler(jax_kda::kPrefillInstantiate);
-        prefill_sm90["execute"] = jax_kda::EncapsulateHandler(jax_kda::kPrefillExecute);
-        targets["jax_kda_prefill_sm90"] = prefill_sm90;
+        auto add = [&targets](const char* name, auto instantiate, auto execute) {
+          nb::dict stages;
+          stages["instantiate"] = jax_kda::EncapsulateHandler(instantiate);
+          stages["execute"] = jax_kda::EncapsulateHandler(execute);
+          targets[name] = stages;
+        };
+        add("jax_kda_prefill_sm90", jax_kda::kPrefillInstantiateSm90, jax_kda::kPrefillExecuteSm90);
+        add("jax_kda_prefill_sm90_mma", jax_kda::kPrefillInstantiateSm90Mma, jax_kda::kPrefillExecuteSm90Mma);
+        add("jax_kda_prefill_sm100", jax_kda::kPrefillInstantiateSm100, jax_kda::kPrefillExecuteSm100);
         return targets;
       },
       "Custom call target name -> {FFI stage name: handler capsule}, for jax.ffi.register_ffi_target.");

@@ -15,8 +15,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kGateActivationInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kGateActivationExecute);
 
 // Target "jax_kda_prefill_sm90".
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kPrefillInstantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kPrefillExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kPrefillInstantiateSm90);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kPrefillExecuteSm90);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kPrefillInstantiateSm90Mma);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kPrefillExecuteSm90Mma);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kPrefillInstantiateSm100);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kPrefillExecuteSm100);
 
 }  // namespace jax_kda
 

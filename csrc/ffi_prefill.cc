@@ -1,4 +1,6 @@
-// XLA FFI binding of the KDA prefill kernels: custom call target "jax_kda_prefill_sm90".
+// XLA FFI binding of the KDA prefill kernels: custom call targets "jax_kda_prefill_sm90" (Hopper),
+// "jax_kda_prefill_sm100" (Blackwell) and "jax_kda_prefill_sm90_mma" (the Blackwell kernels built for
+// Hopper, for testing them there). One handler body; the target fixes the kernel object.
 //
 // Operands and attributes are those emitted by jax_kda/primitive.py (absent optional operands come
 // as empty arrays, and the flags say which are read). The handler reads only shapes, pointers and
@@ -22,10 +24,20 @@ namespace ffi = xla::ffi;
 namespace jax_kda {
 namespace {
 
-constexpr char kTarget[] = "jax_kda_prefill_sm90";
+constexpr const char* TargetName(PrefillKernels kernels) {
+  switch (kernels) {
+    case PrefillKernels::kSm90a:
+      return "jax_kda_prefill_sm90";
+    case PrefillKernels::kMmaSm90a:
+      return "jax_kda_prefill_sm90_mma";
+    case PrefillKernels::kSm100a:
+      return "jax_kda_prefill_sm100";
+  }
+  return "jax_kda_prefill";
+}
 
-ffi::Error InvalidArgument(const std::string& message) {
-  return ffi::Error::InvalidArgument(std::string(kTarget) + ": " + message);
+ffi::Error InvalidArgument(const char* target, const std::string& message) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + message);
 }
 
 std::string Dims(ffi::Span<const int64_t> dims) {
@@ -54,12 +66,12 @@ struct PrefillAttrs {
   int32_t segment_len;
 };
 
-ffi::Error CheckAttrs(const PrefillAttrs& a) {
+ffi::Error CheckAttrs(const char* target, const PrefillAttrs& a) {
   if (a.gate_mode < 0 || a.gate_mode > 3) {
-    return InvalidArgument("gate_mode must be 0..3, got " + std::to_string(a.gate_mode));
+    return InvalidArgument(target, "gate_mode must be 0..3, got " + std::to_string(a.gate_mode));
   }
   if (a.chunk_size != kPrefillChunk || a.v_split != 2 || a.num_segments != 1) {
-    return InvalidArgument("this build supports the plan chunk_size=16, v_split=2, num_segments=1; got " +
+    return InvalidArgument(target, "this build supports the plan chunk_size=16, v_split=2, num_segments=1; got " +
                            std::to_string(a.chunk_size) + ", " + std::to_string(a.v_split) + ", " +
                            std::to_string(a.num_segments) + " (a jax_kda Python/extension version mismatch?)");
   }
@@ -68,12 +80,14 @@ ffi::Error CheckAttrs(const PrefillAttrs& a) {
 
 // Runs once per call site when XLA builds the executable, outside any CUDA graph capture, which is
 // where loading cubins onto devices is allowed.
+template <PrefillKernels kKernels>
 ffi::Error PrefillInstantiate(PrefillAttrs attrs) {
-  if (ffi::Error error = CheckAttrs(attrs); error.failure()) return error;
+  if (ffi::Error error = CheckAttrs(TargetName(kKernels), attrs); error.failure()) return error;
   if (const std::string& error = PrefillModules().Load(); !error.empty()) return ffi::Error::Internal(error);
   return ffi::Error::Success();
 }
 
+template <PrefillKernels kKernels>
 ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi::BF16> q,
                           ffi::BufferR4<ffi::BF16> k, ffi::BufferR4<ffi::BF16> v, ffi::BufferR4<ffi::BF16> g,
                           ffi::BufferR3<ffi::BF16> beta, ffi::BufferR1<ffi::F32> a_log,
@@ -81,47 +95,48 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
                           ffi::Buffer<ffi::F32> initial_state, ffi::ResultBufferR4<ffi::BF16> o,
                           ffi::Result<ffi::Buffer<ffi::F32>> final_state, ffi::ResultBufferR1<ffi::U8> workspace,
                           PrefillAttrs attrs) {
-  if (ffi::Error error = CheckAttrs(attrs); error.failure()) return error;
+  constexpr const char* target = TargetName(kKernels);
+  if (ffi::Error error = CheckAttrs(target, attrs); error.failure()) return error;
   const auto qd = q.dimensions();
   const auto vd = v.dimensions();
   const int64_t b = qd[0], t = qd[1], h = qd[2], hv = vd[2];
   const int64_t d = kPrefillHeadDim;
   if (qd[3] != d || vd[3] != d || !(k.dimensions() == qd) || vd[0] != b || vd[1] != t ||
       !(g.dimensions() == vd) || !(o->dimensions() == vd)) {
-    return InvalidArgument("expected q, k [B, T, H, 128] and v, g, o [B, T, HV, 128]; got q " + Dims(qd) +
+    return InvalidArgument(target, "expected q, k [B, T, H, 128] and v, g, o [B, T, HV, 128]; got q " + Dims(qd) +
                            ", v " + Dims(vd));
   }
   if (beta.dimensions()[0] != b || beta.dimensions()[1] != t || beta.dimensions()[2] != hv) {
-    return InvalidArgument("beta must be [B, T, HV], got " + Dims(beta.dimensions()));
+    return InvalidArgument(target, "beta must be [B, T, HV], got " + Dims(beta.dimensions()));
   }
-  if (h == 0 || hv % h != 0) return InvalidArgument("HV must be a multiple of H");
+  if (h == 0 || hv % h != 0) return InvalidArgument(target, "HV must be a multiple of H");
   const int64_t n = attrs.varlen ? cu_seqlens.element_count() - 1 : b;
-  if (n < 0 || (attrs.varlen && b != 1)) return InvalidArgument("packed sequences need B == 1 and N + 1 >= 1 offsets");
+  if (n < 0 || (attrs.varlen && b != 1)) return InvalidArgument(target, "packed sequences need B == 1 and N + 1 >= 1 offsets");
   if (attrs.gate_mode == 1 || attrs.gate_mode == 2) {
-    if (static_cast<int64_t>(a_log.element_count()) != hv) return InvalidArgument("A_log must have HV elements");
+    if (static_cast<int64_t>(a_log.element_count()) != hv) return InvalidArgument(target, "A_log must have HV elements");
   }
   if (attrs.gate_mode != 0 && static_cast<int64_t>(dt_bias.element_count()) != hv * d) {
-    return InvalidArgument("dt_bias must have HV * 128 elements (zeros when absent)");
+    return InvalidArgument(target, "dt_bias must have HV * 128 elements (zeros when absent)");
   }
   const int64_t state_elements = n * hv * d * d;
   if (attrs.has_initial_state && static_cast<int64_t>(initial_state.element_count()) != state_elements) {
-    return InvalidArgument("initial_state must be [N, HV, 128, 128]");
+    return InvalidArgument(target, "initial_state must be [N, HV, 128, 128]");
   }
   if (attrs.output_final_state && static_cast<int64_t>(final_state->element_count()) != state_elements) {
-    return InvalidArgument("final_state must be [N, HV, 128, 128]");
+    return InvalidArgument(target, "final_state must be [N, HV, 128, 128]");
   }
   const int64_t tokens = b * t;
   const int64_t rows = PrefillWorkspaceRows(tokens, n, hv);
   if (rows >= kPrefillMaxWorkspaceRows || tokens > INT32_MAX) {
-    return InvalidArgument("((B*T) // 16 + N) * HV must be < 2^20, got " + std::to_string(rows));
+    return InvalidArgument(target, "((B*T) // 16 + N) * HV must be < 2^20, got " + std::to_string(rows));
   }
   if (static_cast<int64_t>(workspace->element_count()) < rows * kPrefillWorkspaceBytesPerRow) {
-    return InvalidArgument("workspace has " + std::to_string(workspace->element_count()) + " bytes, needs " +
+    return InvalidArgument(target, "workspace has " + std::to_string(workspace->element_count()) + " bytes, needs " +
                            std::to_string(rows * kPrefillWorkspaceBytesPerRow));
   }
   for (const void* p : {q.untyped_data(), k.untyped_data(), v.untyped_data(), g.untyped_data(),
                         beta.untyped_data(), o->untyped_data(), workspace->untyped_data()}) {
-    if (!Aligned16(p)) return InvalidArgument("every buffer must be 16-byte aligned");
+    if (!Aligned16(p)) return InvalidArgument(target, "every buffer must be 16-byte aligned");
   }
 
   // Already done by the instantiate stage; repeated (a no-op after the first call) so that a call
@@ -131,9 +146,10 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   std::string arch_error;
   const std::optional<Arch> arch = modules.ArchOfDevice(device, &arch_error);
   if (!arch) return ffi::Error::Internal(arch_error);
-  if (*arch != Arch::kSm90a) {
-    return ffi::Error::Internal(std::string(kTarget) + ": CUDA device " + std::to_string(device) +
-                                " is not compute capability 9.0; the sm90 prefill kernels run on Hopper only");
+  if (*arch != PrefillKernelsArch(kKernels)) {
+    return ffi::Error::Internal(std::string(target) + ": CUDA device " + std::to_string(device) +
+                                " is " + ArchName(*arch) + ", these kernels are built for " +
+                                ArchName(PrefillKernelsArch(kKernels)));
   }
 
   int32_t flags = attrs.gate_mode << kGateModeShift;
@@ -168,8 +184,8 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
       .lower_bound = attrs.lower_bound,
       .num_sms = modules.MultiprocessorCount(device),
   };
-  if (cudaError_t status = LaunchPrefill(params, *arch, stream); status != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kTarget) + ": launching the kernels failed: " + CudaErrorText(status));
+  if (cudaError_t status = LaunchPrefill(params, kKernels, stream); status != cudaSuccess) {
+    return ffi::Error::Internal(std::string(target) + ": launching the kernels failed: " + CudaErrorText(status));
   }
   return ffi::Error::Success();
 }
@@ -190,27 +206,36 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 
 namespace jax_kda {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kPrefillInstantiate, PrefillInstantiate,
-                              ffi::Ffi::BindInstantiate().Attrs<PrefillAttrs>());  // every attribute, by name
+// One binding for every prefill target: the operands, results and attributes of
+// jax_kda/primitive.py.
+auto PrefillBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this call; the kernels go on it
+      .Ctx<ffi::DeviceOrdinal>()                 // the stream's CUDA device (its architecture must match)
+      .Arg<ffi::BufferR4<ffi::BF16>>()           // q [B, T, H, 128]
+      .Arg<ffi::BufferR4<ffi::BF16>>()           // k [B, T, H, 128]
+      .Arg<ffi::BufferR4<ffi::BF16>>()           // v [B, T, HV, 128]
+      .Arg<ffi::BufferR4<ffi::BF16>>()           // g [B, T, HV, 128]: raw gate or log-decay
+      .Arg<ffi::BufferR3<ffi::BF16>>()           // beta [B, T, HV]
+      .Arg<ffi::BufferR1<ffi::F32>>()            // A_log [HV], or [0]
+      .Arg<ffi::BufferR1<ffi::F32>>()            // dt_bias [HV * 128] (zeros when absent), or [0] for gate 0
+      .Arg<ffi::BufferR1<ffi::S32>>()            // cu_seqlens [N + 1], or [0] when dense
+      .Arg<ffi::Buffer<ffi::F32>>()              // initial_state [N, HV, 128, 128] (either layout), or [0]
+      .Ret<ffi::BufferR4<ffi::BF16>>()           // o [B, T, HV, 128]
+      .Ret<ffi::Buffer<ffi::F32>>()              // final_state like initial_state (aliases it), or [0]
+      .Ret<ffi::BufferR1<ffi::U8>>()             // workspace: prepare -> recurrence hand-off
+      .Attrs<PrefillAttrs>();                    // the static attributes (flags and plan), by name
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kPrefillExecute, PrefillExecute,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this call; the kernels go on it
-        .Ctx<ffi::DeviceOrdinal>()                 // the stream's CUDA device (must be compute capability 9.0)
-        .Arg<ffi::BufferR4<ffi::BF16>>()           // q [B, T, H, 128]
-        .Arg<ffi::BufferR4<ffi::BF16>>()           // k [B, T, H, 128]
-        .Arg<ffi::BufferR4<ffi::BF16>>()           // v [B, T, HV, 128]
-        .Arg<ffi::BufferR4<ffi::BF16>>()           // g [B, T, HV, 128]: raw gate or log-decay
-        .Arg<ffi::BufferR3<ffi::BF16>>()           // beta [B, T, HV]
-        .Arg<ffi::BufferR1<ffi::F32>>()            // A_log [HV], or [0]
-        .Arg<ffi::BufferR1<ffi::F32>>()            // dt_bias [HV * 128] (zeros when absent), or [0] for gate 0
-        .Arg<ffi::BufferR1<ffi::S32>>()            // cu_seqlens [N + 1], or [0] when dense
-        .Arg<ffi::Buffer<ffi::F32>>()              // initial_state [N, HV, 128, 128] (either layout), or [0]
-        .Ret<ffi::BufferR4<ffi::BF16>>()           // o [B, T, HV, 128]
-        .Ret<ffi::Buffer<ffi::F32>>()              // final_state like initial_state (aliases it), or [0]
-        .Ret<ffi::BufferR1<ffi::U8>>()             // workspace: prepare -> recurrence hand-off
-        .Attrs<PrefillAttrs>(),                    // the static attributes (flags and plan), by name
-    {ffi::Traits::kCmdBufferCompatible});
+#define JAX_KDA_PREFILL_HANDLERS(Name, Kernels)                                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(kPrefillInstantiate##Name, PrefillInstantiate<Kernels>,             \
+                                ffi::Ffi::BindInstantiate().Attrs<PrefillAttrs>());                 \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(kPrefillExecute##Name, PrefillExecute<Kernels>, PrefillBinding(),   \
+                                {ffi::Traits::kCmdBufferCompatible});
+
+JAX_KDA_PREFILL_HANDLERS(Sm90, PrefillKernels::kSm90a)
+JAX_KDA_PREFILL_HANDLERS(Sm90Mma, PrefillKernels::kMmaSm90a)
+JAX_KDA_PREFILL_HANDLERS(Sm100, PrefillKernels::kSm100a)
+#undef JAX_KDA_PREFILL_HANDLERS
 
 }  // namespace jax_kda

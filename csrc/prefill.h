@@ -69,12 +69,23 @@ inline int64_t PrefillWorkspaceRows(int64_t total_tokens, int64_t num_seqs, int6
   return (total_tokens / kPrefillChunk + num_seqs) * num_v_heads;
 }
 
+// The exported prefill objects (build/aot_compile.py KERNELS).
+enum class PrefillKernels {
+  kSm90a,     // csrc/kernels/sm90: the recurrence on warpgroup MMAs (Hopper)
+  kMmaSm90a,  // csrc/kernels/sm100 built for sm_90a: the Blackwell kernels, testable on Hopper
+  kSm100a,    // csrc/kernels/sm100: the recurrence on warp-level MMAs (Blackwell)
+};
+
+// The architecture a PrefillKernels object runs on.
+Arch PrefillKernelsArch(PrefillKernels kernels);
+
 // The process-wide loader of the prefill kernel objects.
 KernelModules& PrefillModules();
 
-// Enqueues the prefill (prepare, then recurrence) on `stream`. The caller has validated `params` and
-// loaded the modules. Returns the launch status.
-cudaError_t LaunchPrefill(const PrefillParams& params, Arch arch, cudaStream_t stream);
+// Enqueues the prefill (prepare, then recurrence) on `stream` with `kernels`. The caller has
+// validated `params`, loaded the modules and checked the device's architecture. Returns the launch
+// status.
+cudaError_t LaunchPrefill(const PrefillParams& params, PrefillKernels kernels, cudaStream_t stream);
 
 }  // namespace jax_kda
 

@@ -164,3 +164,23 @@ def hbm_floor_bytes(w: Workload) -> int:
     n = len(w.seqlens) if w.seqlens is not None else w.batch
     per_token = 2 * (2 * h * k + hv * v + hv * k + hv + hv * v)
     return t * per_token + 2 * 4 * n * hv * k * v
+
+
+# The Blackwell (sm_100a) prefill kernels, also built for sm_90a so that a Hopper GPU can test them.
+MMA_ON_HOPPER_TARGET = "jax_kda_prefill_sm90_mma"
+
+
+def prefill_on_target(target: str, q, k, v, g, beta, **kwargs):
+    """`jax_kda.prefill(q, k, v, g, beta, **kwargs)` run by the kernels behind custom call `target`,
+    bypassing backend dispatch (testing only: e.g. MMA_ON_HOPPER_TARGET on a Hopper GPU)."""
+    from jax_kda import planner
+    from jax_kda.config import validate
+    from jax_kda.primitive import kernel_operands, prefill_call
+
+    if kwargs.get("cu_seqlens") is not None:
+        kwargs["cu_seqlens"] = jnp.asarray(kwargs["cu_seqlens"])
+    cfg = validate(q, k, v, g, beta, **kwargs)
+    operands = kernel_operands(cfg, q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"),
+                               kwargs.get("cu_seqlens"), kwargs.get("initial_state"))
+    return prefill_call(cfg, planner.plan_prefill(cfg), target, *operands)
+

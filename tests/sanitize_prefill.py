@@ -1,4 +1,5 @@
-"""Small sm90 prefill calls for compute-sanitizer (memcheck, racecheck): run by tests/run_gpu.sh.
+"""Small prefill calls for compute-sanitizer (memcheck, racecheck): run by tests/run_gpu.sh; both the
+sm90 kernels and the sm100 kernels built for sm_90a.
 
     compute-sanitizer --tool memcheck python tests/sanitize_prefill.py
 
@@ -16,7 +17,7 @@ import numpy as np
 
 import jax_kda
 from jax_kda import gold
-from jax_kda.testing import Workload, as_numpy64, gold_kwargs, make_inputs
+from jax_kda.testing import MMA_ON_HOPPER_TARGET, Workload, as_numpy64, gold_kwargs, make_inputs, prefill_on_target
 
 D = dict(head_k=128, head_v=128)
 CASES = [
@@ -33,12 +34,17 @@ seed = int(os.environ.get("JAX_KDA_TEST_SEED") or int.from_bytes(os.urandom(4), 
 print(f"JAX_KDA_TEST_SEED={seed}")
 rng = np.random.default_rng(seed)
 failed = False
+RUNNERS = {
+    "sm90": lambda *a, **kw: jax_kda.prefill(*a, backend="sm90", **kw),
+    "sm100 kernels built for sm_90a": lambda *a, **kw: prefill_on_target(MMA_ON_HOPPER_TARGET, *a, **kw),
+}
 for w in CASES:
     args, kwargs = make_inputs(w, rng)
-    o, final = jax_kda.prefill(*args, backend="sm90", **kwargs)
     gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
-    o_err = gold.err_ratio(np.asarray(o, np.float32), gold_o)
-    s_err = gold.err_ratio(np.asarray(final), gold_final)
-    print(f"{w.name}: o {o_err:.2e} state {s_err:.2e}")
-    failed |= not (o_err <= 5e-3 and s_err <= 5e-3)
+    for name, run in RUNNERS.items():
+        o, final = run(*args, **kwargs)
+        o_err = gold.err_ratio(np.asarray(o, np.float32), gold_o)
+        s_err = gold.err_ratio(np.asarray(final), gold_final)
+        print(f"{w.name} [{name}]: o {o_err:.2e} state {s_err:.2e}")
+        failed |= not (o_err <= 5e-3 and s_err <= 5e-3)
 sys.exit(1 if failed else 0)

@@ -108,3 +108,20 @@ def test_kernel_primitive_is_forward_only():
     cfg, plan, _ = _lower("sm90")
     with pytest.raises(NotImplementedError, match="forward-only"):
         jax.jvp(lambda x: prefill_call(cfg, plan, "t", x, x, x, x, x, x, x, x, x)[0], (jnp.ones(1),), (jnp.ones(1),))
+
+
+def test_prefill_on_target_lowers_to_that_target():
+    from jax_kda.testing import MMA_ON_HOPPER_TARGET, prefill_on_target
+
+    q = jnp.zeros((1, 40, 2, 128), jnp.bfloat16)
+    beta = jnp.zeros((1, 40, 2), jnp.bfloat16)
+    state = jnp.zeros((3, 2, 128, 128), jnp.float32)
+    cu = jnp.array([0, 7, 7, 40], jnp.int32)
+
+    def f(q, k, v, g, beta, state, cu):
+        return prefill_on_target(MMA_ON_HOPPER_TARGET, q, k, v, g, beta, initial_state=state,
+                                 cu_seqlens=cu, output_final_state=True)
+
+    text = jax.jit(f).trace(q, q, q, q, beta, state, cu).lower(lowering_platforms=("cuda",)).as_text()
+    call = _custom_call(text)
+    assert f"@{MMA_ON_HOPPER_TARGET}" in call and "operand_index = 8" in call

@@ -74,10 +74,11 @@ def _embedded_cubin_archs(path: pathlib.Path) -> list[str]:
 
 @requires_extension
 def test_extension_embeds_a_cubin_for_each_compiled_architecture():
-    # One cubin per exported (kernel, arch): the gate kernel for both architectures, and the
-    # Hopper-only (wgmma) prefill for sm_90a.
+    # One cubin per exported (kernel, arch): the gate kernel for both architectures, the prefill
+    # for each (wgmma on sm_90a, warp-level MMAs on sm_100a), and the sm_100a prefill's kernels
+    # built for sm_90a as well (so that Hopper can test them).
     path = pathlib.Path(_native.load().__file__)
-    assert sorted(_embedded_cubin_archs(path)) == ["sm_100a", "sm_90a", "sm_90a"]
+    assert sorted(_embedded_cubin_archs(path)) == ["sm_100a", "sm_100a", "sm_90a", "sm_90a", "sm_90a"]
     assert set(_embedded_cubin_archs(path)) == set(_native.compiled_archs())
 
 
@@ -268,3 +269,13 @@ def test_kernel_inside_jit_with_new_buffers_each_call(kernel_device, fresh_seed)
         a_log_np, dt_bias_np = np.asarray(a_log), np.asarray(dt_bias)
         _assert_matches_formula(decay, g * 2, a_log_np, dt_bias_np, lower_bound, mode)
         _assert_matches_formula(again, g, a_log_np, dt_bias_np + 1.0, lower_bound, mode)
+
+
+@requires_extension
+def test_every_prefill_target_is_registered():
+    # Hopper, Blackwell, and the Blackwell kernels built for Hopper (to test them there).
+    from jax_kda.testing import MMA_ON_HOPPER_TARGET
+
+    targets = _native.registered_targets()
+    for name in ("jax_kda_prefill_sm90", "jax_kda_prefill_sm100", MMA_ON_HOPPER_TARGET):
+        assert name in targets

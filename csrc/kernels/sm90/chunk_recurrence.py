@@ -85,6 +85,55 @@ def _to_operand(acc: cute.Tensor, dst: cute.Tensor):
     dst_as_acc.store(acc.load().to(cutlass.BFloat16))
 
 
+@cute.jit
+def load_state(acc_s: cute.Tensor, crd_s: cute.Tensor, initial_state: cute.Tensor, flags: Int32,
+               seq: Int32, hv: Int32, v0: Int32):
+    """acc_s <- this thread's elements of the initial state slice (zeros without one)."""
+    state_v_first = (flags & FLAG_STATE_V_FIRST) != 0
+    acc_s.fill(0.0)
+    if (flags & FLAG_HAS_INITIAL_STATE) != 0:
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            vv, kk = crd_s[e]
+            if state_v_first:
+                acc_s[e] = initial_state[seq, hv, v0 + vv, kk]
+            else:
+                acc_s[e] = initial_state[seq, hv, kk, v0 + vv]
+
+
+@cute.jit
+def store_state(acc_s: cute.Tensor, crd_s: cute.Tensor, final_state: cute.Tensor, flags: Int32,
+                seq: Int32, hv: Int32, v0: Int32):
+    """This thread's elements of the final state slice (the same ones load_state read)."""
+    state_v_first = (flags & FLAG_STATE_V_FIRST) != 0
+    if (flags & FLAG_OUTPUT_FINAL_STATE) != 0:
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            vv, kk = crd_s[e]
+            if state_v_first:
+                final_state[seq, hv, v0 + vv, kk] = acc_s[e]
+            else:
+                final_state[seq, hv, kk, v0 + vv] = acc_s[e]
+
+
+@cute.jit
+def store_output(acc_o: cute.Tensor, crd_t: cute.Tensor, s_out: cute.Tensor, o: cute.Tensor, c: Int32,
+                 tidx: Int32, hv: Int32, v_slice: Int32, bos: Int32, eos: Int32):
+    """Chunk c's O^T [64 v, 16 tokens]: transposed through shared memory (double-buffered by chunk
+    parity, one named barrier of the MMA threads), then one 16-byte store per thread (8 v of one
+    token row; 8 threads cover a row's 128 bytes), only for tokens before the sequence end."""
+    buf = c % 2
+    for e in cutlass.range_constexpr(cute.size(acc_o)):
+        vv, tt = crd_t[e]
+        s_out[tt, vv, buf] = acc_o[e].to(cutlass.BFloat16)
+    cute.arch.barrier(barrier_id=OUTPUT_BARRIER, number_of_threads=MMA_THREADS)
+    tok = tidx // 8
+    part = tidx % 8
+    t = bos + c * CHUNK + tok
+    if t < eos:
+        row = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+        cute.autovec_copy(cute.local_tile(s_out[tok, None, buf], (8,), (part,)), row)
+        cute.autovec_copy(row, cute.local_tile(o[t, hv, None], (8,), (v_slice * 8 + part,)))
+
+
 class ChunkRecurrence:
     """Host-side setup (TMA atoms, smem layouts, MMAs) and the device kernel."""
 
@@ -217,90 +266,73 @@ class ChunkRecurrence:
                 state.advance()
 
         if warp < PRODUCER_WARP:
-            thr_tok = mma_tok.get_slice(tidx)
-            thr_state = mma_state.get_slice(tidx)
-            # B operand views of every stage.
-            b_kw = thr_tok.make_fragment_B(thr_tok.partition_B(s_kw))
-            b_qd = thr_tok.make_fragment_B(thr_tok.partition_B(s_qd))
-            b_mqk = thr_tok.make_fragment_B(thr_tok.partition_B(s_mqk))
-            b_kr = thr_state.make_fragment_B(thr_state.partition_B(s_kr))
-            # Accumulators and their (row, column) coordinates: rows are v, columns tokens or k.
-            acc_s = thr_state.make_fragment_C(thr_state.partition_shape_C((V_SLICE, HEAD_DIM)))
-            acc_u = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
-            acc_o = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
-            crd_s = thr_state.partition_C(cute.make_identity_tensor((V_SLICE, HEAD_DIM)))
-            crd_t = thr_tok.partition_C(cute.make_identity_tensor((V_SLICE, CHUNK)))
-            # bf16 A operands built from the accumulators.
-            a_value_shape = mma_tok.tv_layout_A.shape[1]
-            a_s = cute.make_rmem_tensor(_acc_as_operand_layout(acc_s.layout, a_value_shape), cutlass.BFloat16)
-            a_u = cute.make_rmem_tensor(_acc_as_operand_layout(acc_u.layout, a_value_shape), cutlass.BFloat16)
+            self.consume(mma_tok, mma_state, loads, s_kw, s_qd, s_kr, s_mqk, s_vw, s_dec, s_out,
+                         initial_state, o, final_state, flags, tidx, seq, hv, v_slice, bos, eos,
+                         num_chunks)
 
-            state_v_first = (flags & FLAG_STATE_V_FIRST) != 0
-            acc_s.fill(0.0)
-            if (flags & FLAG_HAS_INITIAL_STATE) != 0:
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    vv, kk = crd_s[e]
-                    if state_v_first:
-                        acc_s[e] = initial_state[seq, hv, v0 + vv, kk]
-                    else:
-                        acc_s[e] = initial_state[seq, hv, kk, v0 + vv]
+    @cute.jit
+    def consume(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, loads, s_kw: cute.Tensor,
+                s_qd: cute.Tensor, s_kr: cute.Tensor, s_mqk: cute.Tensor, s_vw: cute.Tensor,
+                s_dec: cute.Tensor, s_out: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
+                final_state: cute.Tensor, flags: Int32, tidx: Int32, seq: Int32, hv: Int32,
+                v_slice: Int32, bos: Int32, eos: Int32, num_chunks: Int32):
+        """The MMA warpgroup: the serial walk over the chunks (warpgroup MMAs)."""
+        thr_tok = mma_tok.get_slice(tidx)
+        thr_state = mma_state.get_slice(tidx)
+        # B operand views of every stage.
+        b_kw = thr_tok.make_fragment_B(thr_tok.partition_B(s_kw))
+        b_qd = thr_tok.make_fragment_B(thr_tok.partition_B(s_qd))
+        b_mqk = thr_tok.make_fragment_B(thr_tok.partition_B(s_mqk))
+        b_kr = thr_state.make_fragment_B(thr_state.partition_B(s_kr))
+        # Accumulators and their (row, column) coordinates: rows are v, columns tokens or k.
+        acc_s = thr_state.make_fragment_C(thr_state.partition_shape_C((V_SLICE, HEAD_DIM)))
+        acc_u = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
+        acc_o = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
+        crd_s = thr_state.partition_C(cute.make_identity_tensor((V_SLICE, HEAD_DIM)))
+        crd_t = thr_tok.partition_C(cute.make_identity_tensor((V_SLICE, CHUNK)))
+        # bf16 A operands built from the accumulators.
+        a_value_shape = mma_tok.tv_layout_A.shape[1]
+        a_s = cute.make_rmem_tensor(_acc_as_operand_layout(acc_s.layout, a_value_shape), cutlass.BFloat16)
+        a_u = cute.make_rmem_tensor(_acc_as_operand_layout(acc_u.layout, a_value_shape), cutlass.BFloat16)
 
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-            for c in cutlass.range(num_chunks, unroll=1):
-                loads.consumer_wait(state)
-                stage = state.index
-                for e in cutlass.range_constexpr(cute.size(acc_u)):
-                    vv, tt = crd_t[e]
-                    acc_u[e] = s_vw[tt, vv, stage]
-                _to_operand(acc_s, a_s)
-                # Decay the fp32 state now: ptxas would otherwise serialize this against the
-                # batch below anyway (it treats acc_s as live wgmma output across the loop).
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    _, kk = crd_s[e]
-                    acc_s[e] = acc_s[e] * s_dec[0, kk, stage]
+        load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice * V_SLICE)
 
-                warpgroup.fence()
-                mma_tok.set(warpgroup.Field.ACCUMULATE, True)
-                for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                    cute.gemm(mma_tok, acc_u, a_s[None, None, kb], b_kw[None, None, kb, stage], acc_u)
-                for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                    mma_tok.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(mma_tok, acc_o, a_s[None, None, kb], b_qd[None, None, kb, stage], acc_o)
-                warpgroup.commit_group()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        for c in cutlass.range(num_chunks, unroll=1):
+            loads.consumer_wait(state)
+            stage = state.index
+            for e in cutlass.range_constexpr(cute.size(acc_u)):
+                vv, tt = crd_t[e]
+                acc_u[e] = s_vw[tt, vv, stage]
+            _to_operand(acc_s, a_s)
+            # Decay the fp32 state now: ptxas would otherwise serialize this against the
+            # batch below anyway (it treats acc_s as live wgmma output across the loop).
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                _, kk = crd_s[e]
+                acc_s[e] = acc_s[e] * s_dec[0, kk, stage]
 
-                warpgroup.wait_group(0)
+            warpgroup.fence()
+            mma_tok.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                cute.gemm(mma_tok, acc_u, a_s[None, None, kb], b_kw[None, None, kb, stage], acc_u)
+            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                mma_tok.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(mma_tok, acc_o, a_s[None, None, kb], b_qd[None, None, kb, stage], acc_o)
+            warpgroup.commit_group()
 
-                _to_operand(acc_u, a_u)
-                warpgroup.fence()
-                mma_tok.set(warpgroup.Field.ACCUMULATE, True)
-                cute.gemm(mma_tok, acc_o, a_u[None, None, 0], b_mqk[None, None, 0, stage], acc_o)
-                mma_state.set(warpgroup.Field.ACCUMULATE, True)
-                cute.gemm(mma_state, acc_s, a_u[None, None, 0], b_kr[None, None, 0, stage], acc_s)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                loads.consumer_release(state)
-                state.advance()
+            warpgroup.wait_group(0)
 
-                # Output: transpose through shared memory, then one 16-byte store per thread
-                # (8 v of one token row; 8 threads cover a row's 128 bytes), only for tokens
-                # before the sequence end.
-                buf = c % 2
-                for e in cutlass.range_constexpr(cute.size(acc_o)):
-                    vv, tt = crd_t[e]
-                    s_out[tt, vv, buf] = acc_o[e].to(cutlass.BFloat16)
-                cute.arch.barrier(barrier_id=OUTPUT_BARRIER, number_of_threads=MMA_THREADS)
-                tok = tidx // 8
-                part = tidx % 8
-                t = bos + c * CHUNK + tok
-                if t < eos:
-                    row = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                    cute.autovec_copy(cute.local_tile(s_out[tok, None, buf], (8,), (part,)), row)
-                    cute.autovec_copy(row, cute.local_tile(o[t, hv, None], (8,), (v_slice * 8 + part,)))
+            _to_operand(acc_u, a_u)
+            warpgroup.fence()
+            mma_tok.set(warpgroup.Field.ACCUMULATE, True)
+            cute.gemm(mma_tok, acc_o, a_u[None, None, 0], b_mqk[None, None, 0, stage], acc_o)
+            mma_state.set(warpgroup.Field.ACCUMULATE, True)
+            cute.gemm(mma_state, acc_s, a_u[None, None, 0], b_kr[None, None, 0, stage], acc_s)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            loads.consumer_release(state)
+            state.advance()
 
-            if (flags & FLAG_OUTPUT_FINAL_STATE) != 0:
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    vv, kk = crd_s[e]
-                    if state_v_first:
-                        final_state[seq, hv, v0 + vv, kk] = acc_s[e]
-                    else:
-                        final_state[seq, hv, kk, v0 + vv] = acc_s[e]
+            store_output(acc_o, crd_t, s_out, o, c, tidx, hv, v_slice, bos, eos)
+
+        store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice * V_SLICE)

@@ -48,6 +48,19 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
             initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor,
             workspace: cute.Tensor, num_seqs: Int32, dense_len: Int32, flags: Int32,
             scale: Float32, lower_bound: Float32, num_sms: Int32, stream: cuda.CUstream):
+    launch_prefill(q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state, o, final_state,
+                   workspace, num_seqs, dense_len, flags, scale, lower_bound, num_sms, stream,
+                   chunk_recurrence.ChunkRecurrence)
+
+
+@cute.jit
+def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
+                   a_log: cute.Tensor, dt_bias: cute.Tensor, cu_seqlens: cute.Tensor,
+                   initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor,
+                   workspace: cute.Tensor, num_seqs: Int32, dense_len: Int32, flags: Int32,
+                   scale: Float32, lower_bound: Float32, num_sms: Int32, stream: cuda.CUstream,
+                   recurrence: cutlass.Constexpr):
+    """Both launches, with `recurrence` (ChunkRecurrence or a subclass) as the serial kernel."""
     num_v_heads = v.shape[1]
     slots = q.shape[0] // CHUNK + num_seqs
     rows = slots * num_v_heads
@@ -68,7 +81,7 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
             num_seqs, dense_len, flags, scale, lower_bound,
         ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream)
     if num_seqs * num_v_heads > 0:
-        chunk_recurrence.ChunkRecurrence().launch(
+        recurrence().launch(
             neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, initial_state, o, final_state, num_seqs,
             dense_len, flags, stream)
 

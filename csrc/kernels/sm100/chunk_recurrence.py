@@ -1,0 +1,136 @@
+"""KDA prefill, kernel 2 of 2 for Blackwell (sm_100a): `chunk_recurrence` on warp-level MMAs.
+
+Warpgroup MMA (wgmma) exists only on sm_90a, so this variant computes the same per-chunk
+recurrence as `sm90/chunk_recurrence.py` with `mma.sync.m16n8k16` (bf16 operands, fp32
+accumulate), which every architecture from sm_80 on runs. Everything else is shared with the
+sm90 kernel: the grid (V slice, value head, sequence), the warp roles (warps 0-3 MMA, warp 4 the
+TMA producer), the 4-stage TMA pipeline and its shared-memory tiles, the state load and store and
+the output path. The recurrence is latency-bound (a handful of small MMAs per 16-token step), so
+warp-level MMAs lose little against the architecture's native ones.
+
+Per chunk, warp w owns rows v = 16 w .. 16 w + 15 of the transposed state S^T [64 v, 128 k]
+(fp32 accumulators of 16 n8-tiles):
+
+    S_bf   = bf16(S^T)                       A operand: accumulator n-tiles 2j, 2j+1 = k-block j
+    S^T   *= decay (per column k)
+    U^T    = Vw^T + S_bf neg_kw^T            8 k-blocks x 2 n-tiles
+    O^T    = S_bf qd^T                       8 k-blocks x 2 n-tiles
+    U_bf   = bf16(U^T)                       A operand (one k-block of 16 tokens)
+    O^T   += U_bf mqk^T                      2 n-tiles
+    S^T   += U_bf kr                         16 n-tiles
+
+B operands come from the swizzled shared-memory stages through `ldmatrix` (transposed for kr,
+whose tile is k-contiguous).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+
+from sm90.chunk_recurrence import (
+    CHUNK,
+    HEAD_DIM,
+    STAGES,
+    V_SLICE,
+    ChunkRecurrence,
+    _to_operand,
+    load_state,
+    store_output,
+    store_state,
+)
+
+MMA_WARPS = 4
+
+
+class ChunkRecurrenceMma(ChunkRecurrence):
+    """The sm90 kernel with its MMA warpgroup replaced by four warps of mma.sync."""
+
+    def make_mmas(self):
+        # One tiled MMA serves every product: 4 warps along M (64 rows of v), and a 16-wide
+        # N tile per warp (two n8 atoms) so that one ldmatrix.x4 feeds a k-block of B.
+        op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16))
+        tiled = cute.make_tiled_mma(op, (MMA_WARPS, 1, 1), permutation_mnk=(V_SLICE, 16, 16))
+        self.mma_tok = tiled
+        self.mma_state = tiled
+
+    @cute.jit
+    def consume(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, loads, s_kw: cute.Tensor,
+                s_qd: cute.Tensor, s_kr: cute.Tensor, s_mqk: cute.Tensor, s_vw: cute.Tensor,
+                s_dec: cute.Tensor, s_out: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
+                final_state: cute.Tensor, flags: Int32, tidx: Int32, seq: Int32, hv: Int32,
+                v_slice: Int32, bos: Int32, eos: Int32, num_chunks: Int32):
+        """The four MMA warps: the serial walk over the chunks (warp-level MMAs)."""
+        bf16 = cutlass.BFloat16
+        mma = mma_tok
+        thr = mma.get_slice(tidx)
+        # Accumulators and their (row, column) coordinates: rows are v, columns tokens or k.
+        acc_s = thr.make_fragment_C(thr.partition_shape_C((V_SLICE, HEAD_DIM)))
+        acc_u = thr.make_fragment_C(thr.partition_shape_C((V_SLICE, CHUNK)))
+        acc_o = thr.make_fragment_C(thr.partition_shape_C((V_SLICE, CHUNK)))
+        crd_s = thr.partition_C(cute.make_identity_tensor((V_SLICE, HEAD_DIM)))
+        crd_t = thr.partition_C(cute.make_identity_tensor((V_SLICE, CHUNK)))
+        # bf16 A operands: for m16n8k16 the fragment of k-block j is the accumulator values of
+        # n-tiles 2j and 2j+1 in order, so a compact A fragment and the compact accumulator share
+        # one element order (_to_operand converts element by element).
+        a_s = thr.make_fragment_A(thr.partition_shape_A((V_SLICE, HEAD_DIM)))
+        a_u = thr.make_fragment_A(thr.partition_shape_A((V_SLICE, CHUNK)))
+        # B operands: register fragments for one stage, filled by ldmatrix from the stage in use.
+        b_kw = thr.make_fragment_B(thr.partition_shape_B((CHUNK, HEAD_DIM)))
+        b_qd = thr.make_fragment_B(thr.partition_shape_B((CHUNK, HEAD_DIM)))
+        b_mqk = thr.make_fragment_B(thr.partition_shape_B((CHUNK, CHUNK)))
+        b_kr = thr.make_fragment_B(thr.partition_shape_B((HEAD_DIM, CHUNK)))
+        load_k_major = cute.make_tiled_copy_B(
+            cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), bf16), mma)
+        load_mn_major = cute.make_tiled_copy_B(
+            cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(True, 4), bf16), mma)
+        thr_k = load_k_major.get_slice(tidx)
+        thr_mn = load_mn_major.get_slice(tidx)
+        src_kw = thr_k.partition_S(s_kw)
+        src_qd = thr_k.partition_S(s_qd)
+        src_mqk = thr_k.partition_S(s_mqk)
+        src_kr = thr_mn.partition_S(s_kr)
+        dst_kw = thr_k.retile(b_kw)
+        dst_qd = thr_k.retile(b_qd)
+        dst_mqk = thr_k.retile(b_mqk)
+        dst_kr = thr_mn.retile(b_kr)
+
+        load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice * V_SLICE)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        for c in cutlass.range(num_chunks, unroll=1):
+            loads.consumer_wait(state)
+            stage = state.index
+            for e in cutlass.range_constexpr(cute.size(acc_u)):
+                vv, tt = crd_t[e]
+                acc_u[e] = s_vw[tt, vv, stage]
+            _to_operand(acc_s, a_s)
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                _, kk = crd_s[e]
+                acc_s[e] = acc_s[e] * s_dec[0, kk, stage]
+            acc_o.fill(0.0)
+            # B fragments are loaded one k-block ahead of their use (ldmatrix latency overlaps the
+            # MMAs of the previous k-block; registers hold two k-blocks, not the whole tile).
+            cute.copy(load_k_major, src_kw[None, None, 0, stage], dst_kw[None, None, 0])
+            cute.copy(load_k_major, src_qd[None, None, 0, stage], dst_qd[None, None, 0])
+            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                if cutlass.const_expr(kb + 1 < HEAD_DIM // 16):
+                    cute.copy(load_k_major, src_kw[None, None, kb + 1, stage], dst_kw[None, None, kb + 1])
+                    cute.copy(load_k_major, src_qd[None, None, kb + 1, stage], dst_qd[None, None, kb + 1])
+                else:
+                    cute.copy(load_k_major, src_mqk[None, None, 0, stage], dst_mqk[None, None, 0])
+                    cute.copy(load_mn_major, src_kr[None, None, 0, stage], dst_kr[None, None, 0])
+                cute.gemm(mma, acc_u, a_s[None, None, kb], b_kw[None, None, kb], acc_u)
+                cute.gemm(mma, acc_o, a_s[None, None, kb], b_qd[None, None, kb], acc_o)
+            _to_operand(acc_u, a_u)
+            cute.gemm(mma, acc_o, a_u[None, None, 0], b_mqk[None, None, 0], acc_o)
+            cute.gemm(mma, acc_s, a_u[None, None, 0], b_kr[None, None, 0], acc_s)
+            # Every read of this stage (ldmatrix, vw, decay) is done: hand it back to the producer.
+            loads.consumer_release(state)
+            state.advance()
+
+            store_output(acc_o, crd_t, s_out, o, c, tidx, hv, v_slice, bos, eos)
+
+        store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice * V_SLICE)
