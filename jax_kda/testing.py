@@ -173,10 +173,13 @@ MMA_ON_HOPPER_TARGET = "jax_kda_prefill_sm90_mma"
 def prefill_on_target(target: str, q, k, v, g, beta, **kwargs):
     """`jax_kda.prefill(q, k, v, g, beta, **kwargs)` run by the kernels behind custom call `target`,
     bypassing backend dispatch (testing only: e.g. MMA_ON_HOPPER_TARGET on a Hopper GPU)."""
-    from jax_kda import planner
+    from jax_kda import _native, planner
     from jax_kda.config import validate
     from jax_kda.primitive import kernel_operands, prefill_call
 
+    # Backend dispatch is what normally loads the extension and registers its targets; do it here
+    # (a no-op without the kernels, so this still lowers on a machine without a GPU).
+    _native.registered_targets()
     if kwargs.get("cu_seqlens") is not None:
         kwargs["cu_seqlens"] = jnp.asarray(kwargs["cu_seqlens"])
     cfg = validate(q, k, v, g, beta, **kwargs)
