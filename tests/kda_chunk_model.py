@@ -2,7 +2,7 @@
 
 This mirrors, step by step, what `prepare_chunks` and `chunk_recurrence` compute, with
 the same chunk size, the same exponent handling and the same rounding points: bf16 where the
-recurrence feeds a tensor-core MMA, TF32 (round to nearest, ties away) where `prepare_chunks` does,
+recurrence feeds a tensor-core MMA (U as a hi + lo pair of bf16), TF32 (round to nearest, ties away) where `prepare_chunks` does,
 fp32 elsewhere. Tests compare it against a float64
 token-by-token recurrence, which validates the math before a GPU ever runs the kernels.
 
@@ -126,12 +126,14 @@ def prepare_chunk(q, k, v, g2, beta, scale):
 
 
 def recurrence_chunk(state, ops):
-    """One chunk of `chunk_recurrence` on an fp32 state [K, V]; returns (o [n, V] bf16-rounded, state)."""
+    """One chunk of `chunk_recurrence` on an fp32 state [K, V]; returns (o [n, V] bf16-rounded, state).
+    U enters its two MMAs as two bf16 operands, hi = bf16(U) and lo = bf16(U - hi)."""
     s_bf = bf16_round(state)
     u = ops["vw"] + ops["neg_kw"] @ s_bf
-    u_bf = bf16_round(u)
-    o = ops["qd"] @ s_bf + ops["mqk"] @ u_bf
-    state = ops["decay"][:, None] * state + ops["kr"].T @ u_bf
+    u_hi = bf16_round(u)
+    u_lo = bf16_round(u - u_hi)
+    o = ops["qd"] @ s_bf + ops["mqk"] @ u_hi + ops["mqk"] @ u_lo
+    state = ops["decay"][:, None] * state + ops["kr"].T @ u_hi + ops["kr"].T @ u_lo
     return bf16_round(o[: ops["n"]]), state.astype(np.float32)
 
 

@@ -15,9 +15,9 @@ Per chunk, warp w owns rows v = 16 w .. 16 w + 15 of the transposed state S^T [6
     S^T   *= decay (per column k)
     U^T    = Vw^T + S_bf neg_kw^T            8 k-blocks x 2 n-tiles
     O^T    = S_bf qd^T                       8 k-blocks x 2 n-tiles
-    U_bf   = bf16(U^T)                       A operand (one k-block of 16 tokens)
-    O^T   += U_bf mqk^T                      2 n-tiles
-    S^T   += U_bf kr                         16 n-tiles
+    U_hi   = bf16(U^T), U_lo = bf16(U^T - U_hi)   A operands (one k-block of 16 tokens each)
+    O^T   += U_hi mqk^T + U_lo mqk^T         2 n-tiles, twice
+    S^T   += U_hi kr + U_lo kr               16 n-tiles, twice
 
 B operands come from the swizzled shared-memory stages through `ldmatrix` (transposed for kr,
 whose tile is k-contiguous).
@@ -37,6 +37,7 @@ from sm90.chunk_recurrence import (
     V_SLICE,
     ChunkRecurrence,
     _to_operand,
+    _to_operand_split,
     load_state,
     store_output,
     store_state,
@@ -77,6 +78,7 @@ class ChunkRecurrenceMma(ChunkRecurrence):
         # one element order (_to_operand converts element by element).
         a_s = thr.make_fragment_A(thr.partition_shape_A((V_SLICE, HEAD_DIM)))
         a_u = thr.make_fragment_A(thr.partition_shape_A((V_SLICE, CHUNK)))
+        a_u_lo = thr.make_fragment_A(thr.partition_shape_A((V_SLICE, CHUNK)))
         # B operands: register fragments for one stage, filled by ldmatrix from the stage in use.
         b_kw = thr.make_fragment_B(thr.partition_shape_B((CHUNK, HEAD_DIM)))
         b_qd = thr.make_fragment_B(thr.partition_shape_B((CHUNK, HEAD_DIM)))
@@ -124,9 +126,11 @@ class ChunkRecurrenceMma(ChunkRecurrence):
                     cute.copy(load_mn_major, src_kr[None, None, 0, stage], dst_kr[None, None, 0])
                 cute.gemm(mma, acc_u, a_s[None, None, kb], b_kw[None, None, kb], acc_u)
                 cute.gemm(mma, acc_o, a_s[None, None, kb], b_qd[None, None, kb], acc_o)
-            _to_operand(acc_u, a_u)
+            _to_operand_split(acc_u, a_u, a_u_lo)
             cute.gemm(mma, acc_o, a_u[None, None, 0], b_mqk[None, None, 0], acc_o)
+            cute.gemm(mma, acc_o, a_u_lo[None, None, 0], b_mqk[None, None, 0], acc_o)
             cute.gemm(mma, acc_s, a_u[None, None, 0], b_kr[None, None, 0], acc_s)
+            cute.gemm(mma, acc_s, a_u_lo[None, None, 0], b_kr[None, None, 0], acc_s)
             # Every read of this stage (ldmatrix, vw, decay) is done: hand it back to the producer.
             loads.consumer_release(state)
             state.advance()
