@@ -3,7 +3,10 @@
 // Hopper, for testing them there). One handler body; the target fixes the kernel object.
 //
 // Operands and attributes are those emitted by jax_kda/primitive.py (absent optional operands come
-// as empty arrays, and the flags say which are read). The handler reads only shapes, pointers and
+// as empty arrays, and the flags say which are read). The `phase` attribute selects what one call
+// does: 0 the whole prefill; 1 and 2 the two calls of a segmented prefill (jax_kda/context_parallel.py):
+// 1 = prepare + per-segment summaries into final_state (o is empty), 2 = the recurrence alone on the
+// workspace operand (phase 1's workspace, aliased to this call's workspace result). The handler reads only shapes, pointers and
 // static attributes, allocates nothing (the workspace is an XLA-allocated result), never
 // synchronizes and never reads device data on the host, so its launch replays unchanged from a CUDA
 // graph: it is marked command-buffer compatible.
@@ -11,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -64,16 +68,21 @@ struct PrefillAttrs {
   int32_t v_split;
   int32_t num_segments;
   int32_t segment_len;
+  int32_t phase;
 };
+
+enum Phase : int32_t { kWhole = 0, kSummary = 1, kApply = 2 };
 
 ffi::Error CheckAttrs(const char* target, const PrefillAttrs& a) {
   if (a.gate_mode < 0 || a.gate_mode > 3) {
     return InvalidArgument(target, "gate_mode must be 0..3, got " + std::to_string(a.gate_mode));
   }
-  if (a.chunk_size != kPrefillChunk || a.v_split != 2 || a.num_segments != 1) {
-    return InvalidArgument(target, "this build supports the plan chunk_size=16, v_split=2, num_segments=1; got " +
-                           std::to_string(a.chunk_size) + ", " + std::to_string(a.v_split) + ", " +
-                           std::to_string(a.num_segments) + " (a jax_kda Python/extension version mismatch?)");
+  if (a.chunk_size != kPrefillChunk || a.v_split != 2 || a.num_segments < 1 || a.phase < kWhole ||
+      a.phase > kApply || (a.phase != kWhole && (!a.varlen || a.state_v_first))) {
+    return InvalidArgument(target, "this build supports chunk_size=16, v_split=2, num_segments>=1, phase 0..2 "
+                           "(1, 2 packed, state K-first); got " + std::to_string(a.chunk_size) + ", " +
+                           std::to_string(a.v_split) + ", " + std::to_string(a.num_segments) + ", phase " +
+                           std::to_string(a.phase) + " (a jax_kda Python/extension version mismatch?)");
   }
   return ffi::Error::Success();
 }
@@ -92,7 +101,8 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
                           ffi::BufferR4<ffi::BF16> k, ffi::BufferR4<ffi::BF16> v, ffi::BufferR4<ffi::BF16> g,
                           ffi::BufferR3<ffi::BF16> beta, ffi::BufferR1<ffi::F32> a_log,
                           ffi::BufferR1<ffi::F32> dt_bias, ffi::BufferR1<ffi::S32> cu_seqlens,
-                          ffi::Buffer<ffi::F32> initial_state, ffi::ResultBufferR4<ffi::BF16> o,
+                          ffi::Buffer<ffi::F32> initial_state, ffi::BufferR1<ffi::U8> workspace_in,
+                          ffi::ResultBufferR4<ffi::BF16> o,
                           ffi::Result<ffi::Buffer<ffi::F32>> final_state, ffi::ResultBufferR1<ffi::U8> workspace,
                           PrefillAttrs attrs) {
   constexpr const char* target = TargetName(kKernels);
@@ -102,7 +112,7 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   const int64_t b = qd[0], t = qd[1], h = qd[2], hv = vd[2];
   const int64_t d = kPrefillHeadDim;
   if (qd[3] != d || vd[3] != d || !(k.dimensions() == qd) || vd[0] != b || vd[1] != t ||
-      !(g.dimensions() == vd) || !(o->dimensions() == vd)) {
+      !(g.dimensions() == vd) || !(attrs.phase == kSummary ? o->element_count() == 0 : o->dimensions() == vd)) {
     return InvalidArgument(target, "expected q, k [B, T, H, 128] and v, g, o [B, T, HV, 128]; got q " + Dims(qd) +
                            ", v " + Dims(vd));
   }
@@ -122,8 +132,16 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   if (attrs.has_initial_state && static_cast<int64_t>(initial_state.element_count()) != state_elements) {
     return InvalidArgument(target, "initial_state must be [N, HV, 128, 128]");
   }
-  if (attrs.output_final_state && static_cast<int64_t>(final_state->element_count()) != state_elements) {
+  if (attrs.phase == kSummary) {
+    if (static_cast<int64_t>(final_state->element_count()) != 2 * state_elements) {
+      return InvalidArgument(target, "phase 1: final_state must be [2 N, HV, 128, 128]");
+    }
+  } else if (attrs.output_final_state && static_cast<int64_t>(final_state->element_count()) != state_elements) {
     return InvalidArgument(target, "final_state must be [N, HV, 128, 128]");
+  }
+  if (attrs.phase == kApply ? workspace_in.untyped_data() != workspace->untyped_data()
+                            : workspace_in.element_count() != 0) {
+    return InvalidArgument(target, "the workspace operand must be empty, or with phase 2 alias the workspace result");
   }
   const int64_t tokens = b * t;
   const int64_t rows = PrefillWorkspaceRows(tokens, n, hv);
@@ -134,8 +152,11 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
     return InvalidArgument(target, "workspace has " + std::to_string(workspace->element_count()) + " bytes, needs " +
                            std::to_string(rows * kPrefillWorkspaceBytesPerRow));
   }
-  for (const void* p : {q.untyped_data(), k.untyped_data(), v.untyped_data(), g.untyped_data(),
-                        beta.untyped_data(), o->untyped_data(), workspace->untyped_data()}) {
+  // o is empty in phase 1 and never written there; the kernels still take a view of v's shape.
+  void* o_data = attrs.phase == kSummary ? const_cast<void*>(v.untyped_data()) : o->untyped_data();
+  for (const void* p : std::initializer_list<const void*>{q.untyped_data(), k.untyped_data(), v.untyped_data(),
+                                                         g.untyped_data(), beta.untyped_data(), o_data,
+                                                         workspace->untyped_data()}) {
     if (!Aligned16(p)) return InvalidArgument(target, "every buffer must be 16-byte aligned");
   }
 
@@ -159,6 +180,8 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   if (attrs.has_initial_state) flags |= kFlagHasInitialState;
   if (attrs.output_final_state) flags |= kFlagOutputFinalState;
   if (attrs.state_v_first) flags |= kFlagStateVFirst;
+  if (attrs.phase == kSummary) flags |= kFlagSummary;
+  if (attrs.phase == kApply) flags |= kFlagSkipPrepare;
 
   const PrefillParams params{
       .q = q.untyped_data(),
@@ -170,7 +193,7 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
       .dt_bias = dt_bias.typed_data(),
       .cu_seqlens = cu_seqlens.typed_data(),
       .initial_state = initial_state.typed_data(),
-      .o = o->untyped_data(),
+      .o = o_data,
       .final_state = final_state->typed_data(),
       .workspace = workspace->untyped_data(),
       .workspace_bytes = static_cast<int64_t>(workspace->element_count()),
@@ -202,7 +225,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int32_t>("output_final_state"), xla::ffi::StructMember<int32_t>("has_dt_bias"),
     xla::ffi::StructMember<int32_t>("varlen"), xla::ffi::StructMember<int32_t>("chunk_size"),
     xla::ffi::StructMember<int32_t>("v_split"), xla::ffi::StructMember<int32_t>("num_segments"),
-    xla::ffi::StructMember<int32_t>("segment_len"));
+    xla::ffi::StructMember<int32_t>("segment_len"), xla::ffi::StructMember<int32_t>("phase"));
 
 namespace jax_kda {
 
@@ -221,8 +244,9 @@ auto PrefillBinding() {
       .Arg<ffi::BufferR1<ffi::F32>>()            // dt_bias [HV * 128] (zeros when absent), or [0] for gate 0
       .Arg<ffi::BufferR1<ffi::S32>>()            // cu_seqlens [N + 1], or [0] when dense
       .Arg<ffi::Buffer<ffi::F32>>()              // initial_state [N, HV, 128, 128] (either layout), or [0]
+      .Arg<ffi::BufferR1<ffi::U8>>()             // workspace_in: [0], or (phase 2) the workspace result's buffer
       .Ret<ffi::BufferR4<ffi::BF16>>()           // o [B, T, HV, 128]
-      .Ret<ffi::Buffer<ffi::F32>>()              // final_state like initial_state (aliases it), or [0]
+      .Ret<ffi::Buffer<ffi::F32>>()              // final_state like initial_state (aliases it), or [0]; phase 1 [2N, ...]
       .Ret<ffi::BufferR1<ffi::U8>>()             // workspace: prepare -> recurrence hand-off
       .Attrs<PrefillAttrs>();                    // the static attributes (flags and plan), by name
 }

@@ -81,8 +81,9 @@ cudaError_t Launch(const PrefillParams& p, cudaStream_t stream) {
                                                 {p.num_seqs, p.num_v_heads}, {state_stride}}
                            : Unread<typename T::State0>(p.q);
   auto o = TokenMajor<typename T::O>(p.o, p.total_tokens, p.num_v_heads, d);
-  auto final_state = (p.flags & kFlagOutputFinalState)
-                         ? typename T::State1{p.final_state, {p.num_seqs, p.num_v_heads}, {state_stride}}
+  const int32_t final_states = (p.flags & kFlagSummary) ? 2 * p.num_seqs : p.num_seqs;
+  auto final_state = (p.flags & (kFlagOutputFinalState | kFlagSummary))
+                         ? typename T::State1{p.final_state, {final_states, p.num_v_heads}, {state_stride}}
                          : Unread<typename T::State1>(p.o);
   typename T::Workspace workspace{p.workspace, {p.workspace_bytes}};
   return static_cast<cudaError_t>(T::Wrapper(&T::module, &q, &k, &v, &g, &beta, &a_log, &dt_bias,

@@ -30,6 +30,12 @@ enum PrefillFlag : int32_t {
   kFlagHasInitialState = 1 << 3,
   kFlagOutputFinalState = 1 << 4,
   kFlagStateVFirst = 1 << 5,
+  // The two calls of a segmented prefill (intracard context parallelism, jax_kda/context_parallel.py):
+  // kFlagSummary writes each segment's zero-start state and transition into final_state
+  // ([2 N, HV, 128, 128], no o); kFlagSkipPrepare runs only the recurrence on a workspace that
+  // already holds prepare's operands.
+  kFlagSummary = 1 << 6,
+  kFlagSkipPrepare = 1 << 7,
 };
 inline constexpr int kGateModeShift = 8;
 
@@ -45,8 +51,9 @@ struct PrefillParams {
   const int32_t* cu_seqlens;  // [num_seqs + 1]; read with kFlagVarlen
   const float* initial_state; // [num_seqs, num_v_heads, 128, 128]; read with kFlagHasInitialState
   // Outputs.
-  void* o;                    // bf16 [total_tokens, num_v_heads, 128]
-  float* final_state;         // like initial_state (may be the same buffer); with kFlagOutputFinalState
+  void* o;                    // bf16 [total_tokens, num_v_heads, 128]; not written with kFlagSummary
+  float* final_state;         // like initial_state (may be the same buffer); with kFlagOutputFinalState.
+                              // [2 N, num_v_heads, 128, 128] with kFlagSummary
   void* workspace;            // workspace_bytes, 16-byte aligned
   int64_t workspace_bytes;
   // Sizes.

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_kda import dispatch, planner, xla_backend
+from jax_kda import context_parallel, dispatch, planner, xla_backend
 from jax_kda.config import validate
 from jax_kda.primitive import FFI_TARGETS, kernel_operands, prefill_call
 
@@ -108,8 +108,17 @@ def prefill(
         return _xla_prefill(cfg, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     device = dispatch.default_device()
     plan = planner.plan_prefill(cfg, num_sms=getattr(device, "core_count", planner.DEFAULT_NUM_SMS))
+    return kernel_prefill(cfg, plan, FFI_TARGETS[decision.backend], q, k, v, g, beta, A_log, dt_bias,
+                          cu_seqlens, initial_state)
+
+
+def kernel_prefill(cfg, plan, target, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state):
+    """The kernels behind custom call `target` under `plan`: one call, or the segmented pair."""
+    if plan.num_segments > 1:
+        return context_parallel.segmented_prefill(cfg, plan, target, q, k, v, g, beta, A_log, dt_bias,
+                                                  cu_seqlens, initial_state)
     operands = kernel_operands(cfg, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state)
-    return prefill_call(cfg, plan, FFI_TARGETS[decision.backend], *operands)
+    return prefill_call(cfg, plan, target, *operands)
 
 
 def explain(q, k, v, g, beta, **kwargs) -> dispatch.Decision:

@@ -8,8 +8,14 @@ What it decides today:
     over CTAs is exact. The SM90 recurrence kernel holds a 64-column slice of the state per
     CTA (its warpgroup MMA accumulator), so for V = 128 the split is 2: N*HV*2 CTAs.
   * `workspace_bytes`: the prepare -> recurrence hand-off, sized in whole 16-token chunk slots.
-  * intracard context parallelism (segments of one long sequence run in parallel) is not
-    implemented yet: `num_segments` is always 1 and the plan says so.
+  * `num_segments`, `segment_len`: intracard context parallelism. The recurrence is serial along
+    a sequence, so a call with few sequences x heads leaves most SMs idle (h8 x 64K: 16 CTAs on
+    132 SMs). With `num_segments` > 1 every sequence is cut into that many chunk-aligned segments
+    of `segment_len` tokens (the last takes the rest) that run in parallel
+    (jax_kda/context_parallel.py): one pass over all segments computes each one's zero-start state
+    and transition, a small combine gives each segment its true start state, and a second pass
+    writes o. It costs a second recurrence pass over twice the columns; `choose_segments` takes it
+    only when a simple wave model of the recurrence says it pays.
 """
 
 from __future__ import annotations
@@ -51,17 +57,80 @@ def workspace_rows(cfg: PrefillConfig) -> int:
     return ((cfg.batch * cfg.seqlen) // KERNEL_CHUNK_SIZE + cfg.num_seqs) * cfg.num_v_heads
 
 
-def plan_prefill(cfg: PrefillConfig, *, num_sms: int = DEFAULT_NUM_SMS) -> RecurrencePlan:
+# The recurrence wave model (measured on the H200, ncu): a 16-token chunk step takes ~0.66 us with
+# one CTA per SM and ~0.78 us with two (75 KB of shared memory each: at most two fit); one combine
+# step between the passes (an fp32 batched matmul and an add in XLA) costs about a dozen steps.
+RECURRENCE_CTAS_PER_SM = 2
+STEP_US_ALONE, STEP_US_SHARED = 0.66, 0.78
+COMBINE_US_PER_SEGMENT = 8.0
+SEGMENT_CHOICES = (2, 4, 8, 16, 32, 64)
+CP_MIN_GAIN = 0.85  # take segments only when the model predicts at most 85 % of the unsegmented time
+
+
+def longest_sequence(cfg: PrefillConfig) -> int:
+    """Tokens of the longest sequence possible: T dense; every token of the batch when packed."""
+    return cfg.batch * cfg.seqlen if cfg.varlen else cfg.seqlen
+
+
+def segment_length(cfg: PrefillConfig, num_segments: int) -> int:
+    """Chunk-aligned segment length whose `num_segments` segments cover the longest sequence."""
+    tokens = -(-longest_sequence(cfg) // num_segments)
+    return -(-tokens // KERNEL_CHUNK_SIZE) * KERNEL_CHUNK_SIZE
+
+
+def recurrence_us(cfg: PrefillConfig, num_segments: int, num_sms: int) -> float:
+    """The wave model's time of the recurrence part of a call (both passes when segmented)."""
+
+    def waves(ctas: int, steps: int) -> float:
+        slots = num_sms * RECURRENCE_CTAS_PER_SM
+        step = STEP_US_SHARED if ctas > num_sms else STEP_US_ALONE
+        return -(-ctas // slots) * steps * step
+
+    base = cfg.num_seqs * cfg.num_v_heads * max(cfg.head_v // V_PER_CTA, 1)
+    if num_segments == 1:
+        return waves(base, -(-longest_sequence(cfg) // KERNEL_CHUNK_SIZE))
+    steps = segment_length(cfg, num_segments) // KERNEL_CHUNK_SIZE
+    n = num_segments
+    return waves(2 * base * n, steps) + waves(base * n, steps) + COMBINE_US_PER_SEGMENT * n
+
+
+def segmented_workspace_rows(cfg: PrefillConfig, num_segments: int) -> int:
+    """Workspace rows when every sequence is cut into `num_segments` segments."""
+    return ((cfg.batch * cfg.seqlen) // KERNEL_CHUNK_SIZE + cfg.num_seqs * num_segments) * cfg.num_v_heads
+
+
+def choose_segments(cfg: PrefillConfig, num_sms: int) -> int:
+    """The segment count the wave model likes best (1 unless segments win clearly)."""
+    if cfg.num_seqs == 0:
+        return 1
+    best, best_us = 1, recurrence_us(cfg, 1, num_sms)
+    limit = best_us * CP_MIN_GAIN
+    for n in SEGMENT_CHOICES:
+        if segment_length(cfg, n) < 4 * KERNEL_CHUNK_SIZE:
+            break
+        if segmented_workspace_rows(cfg, n) >= MAX_WORKSPACE_ROWS:
+            break
+        us = recurrence_us(cfg, n, num_sms)
+        if us < limit and us < best_us:
+            best, best_us = n, us
+    return best
+
+
+def plan_prefill(cfg: PrefillConfig, *, num_sms: int = DEFAULT_NUM_SMS,
+                 num_segments: int | None = None) -> RecurrencePlan:
     """Chooses the kernel plan for `cfg` on a GPU with `num_sms` multiprocessors.
 
-    `num_sms` does not change today's plan (one kernel variant, no context parallelism); it is an
-    input because the segment count of intracard context parallelism will depend on it.
+    `num_segments` overrides the planner's choice (tests use it to run the segmented path on small
+    shapes); the override must keep the workspace within the kernels' 32-bit offsets.
     """
-    del num_sms
+    n = choose_segments(cfg, num_sms) if num_segments is None else num_segments
+    if n < 1 or segmented_workspace_rows(cfg, n) >= MAX_WORKSPACE_ROWS:
+        raise ValueError(f"num_segments={n} is not possible for this call (workspace rows "
+                         f"{segmented_workspace_rows(cfg, n)}, limit {MAX_WORKSPACE_ROWS})")
     return RecurrencePlan(
         chunk_size=KERNEL_CHUNK_SIZE,
         v_split=max(cfg.head_v // V_PER_CTA, 1),
-        num_segments=1,
-        segment_len=0,
-        workspace_bytes=workspace_rows(cfg) * WORKSPACE_BYTES_PER_SLOT,
+        num_segments=n,
+        segment_len=segment_length(cfg, n) if n > 1 else 0,
+        workspace_bytes=segmented_workspace_rows(cfg, n) * WORKSPACE_BYTES_PER_SLOT,
     )

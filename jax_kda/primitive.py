@@ -11,6 +11,12 @@ shape `[0]` when not requested) and the kernels' workspace (uint8, `plan.workspa
 allocates it, and `prefill` drops it). When an initial state is given and the final state is
 requested, the two share a buffer (`operand_output_aliases`), so a donated initial state is updated
 in place.
+
+`phase` (static) is what one call does: `PHASE_WHOLE` the whole prefill; `PHASE_SUMMARY` and
+`PHASE_APPLY` the two calls of a segmented prefill (jax_kda/context_parallel.py). A summary call
+returns an empty o and, as its "final state", `[2 N, HV, K, V]`: per segment its zero-start state
+and its transition. An apply call takes that call's workspace as its last operand (aliased to its
+own workspace result) and runs only the recurrence.
 """
 
 from __future__ import annotations
@@ -29,15 +35,20 @@ from jax_kda.planner import RecurrencePlan
 # Kernel target per backend. One target per architecture, so the HLO says which kernels run.
 FFI_TARGETS = {"sm90": "jax_kda_prefill_sm90", "sm100": "jax_kda_prefill_sm100"}
 
-OPERANDS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state")
+OPERANDS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state", "workspace")
 _INITIAL_STATE = OPERANDS.index("initial_state")
+_WORKSPACE_IN = OPERANDS.index("workspace")
 _FINAL_STATE = 1
+_WORKSPACE_OUT = 2
+
+PHASE_WHOLE, PHASE_SUMMARY, PHASE_APPLY = 0, 1, 2
 
 prefill_p = Primitive("jax_kda_prefill")
 prefill_p.multiple_results = True
 
 
-def kernel_operands(cfg: PrefillConfig, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state):
+def kernel_operands(cfg: PrefillConfig, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
+                    workspace=None):
     """Puts the arrays in the form the kernels take; absent optional operands become empty arrays."""
     f32 = jnp.float32
     empty = lambda dtype: jnp.zeros((0,), dtype)  # noqa: E731
@@ -51,6 +62,7 @@ def kernel_operands(cfg: PrefillConfig, q, k, v, g, beta, A_log, dt_bias, cu_seq
         dt_bias_operand(cfg, dt_bias),
         empty(jnp.int32) if cu_seqlens is None else jnp.asarray(cu_seqlens).astype(jnp.int32),
         empty(f32) if initial_state is None else jnp.asarray(initial_state, f32),
+        empty(jnp.uint8) if workspace is None else workspace,
     )
 
 
@@ -64,20 +76,25 @@ def dt_bias_operand(cfg: PrefillConfig, dt_bias):
 
 
 def prefill_call(cfg: PrefillConfig, plan: RecurrencePlan, target: str, *operands):
-    """Binds the primitive. Returns (o, final_state or None)."""
-    o, final_state, _workspace = prefill_p.bind(*operands, cfg=cfg, plan=plan, target=target)
+    """Binds the primitive for a whole prefill. Returns (o, final_state or None)."""
+    o, final_state, _workspace = prefill_p.bind(*operands, cfg=cfg, plan=plan, target=target, phase=PHASE_WHOLE)
     return o, (final_state if cfg.output_final_state else None)
 
 
-def _result_avals(cfg: PrefillConfig, plan: RecurrencePlan):
-    o = jax.core.ShapedArray((cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v), jnp.dtype(cfg.dtype))
+def _result_avals(cfg: PrefillConfig, plan: RecurrencePlan, phase: int):
+    o_shape = (cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v)
     state_shape = cfg.state_shape if cfg.output_final_state else (0,)
+    if phase == PHASE_SUMMARY:
+        o_shape = (0, 0, 0, 0)
+        n, hv, k, v = cfg.state_shape
+        state_shape = (2 * n, hv, k, v)
+    o = jax.core.ShapedArray(o_shape, jnp.dtype(cfg.dtype))
     final_state = jax.core.ShapedArray(state_shape, jnp.float32)
     workspace = jax.core.ShapedArray((plan.workspace_bytes,), jnp.uint8)
     return o, final_state, workspace
 
 
-def _abstract_eval(*avals, cfg: PrefillConfig, plan: RecurrencePlan, target: str):
+def _abstract_eval(*avals, cfg: PrefillConfig, plan: RecurrencePlan, target: str, phase: int):
     expected = {
         "q": (cfg.batch, cfg.seqlen, cfg.num_qk_heads, cfg.head_k),
         "k": (cfg.batch, cfg.seqlen, cfg.num_qk_heads, cfg.head_k),
@@ -88,10 +105,14 @@ def _abstract_eval(*avals, cfg: PrefillConfig, plan: RecurrencePlan, target: str
     for name, aval in zip(OPERANDS, avals):
         if name in expected and tuple(aval.shape) != expected[name]:
             raise ValueError(f"{target}: operand {name} has shape {aval.shape}, the config says {expected[name]}")
-    return _result_avals(cfg, plan)
+    workspace_len = plan.workspace_bytes if phase == PHASE_APPLY else 0
+    if tuple(avals[_WORKSPACE_IN].shape) != (workspace_len,):
+        raise ValueError(f"{target}: phase {phase} takes a workspace operand of {workspace_len} bytes, "
+                         f"got shape {avals[_WORKSPACE_IN].shape}")
+    return _result_avals(cfg, plan, phase)
 
 
-def _attributes(cfg: PrefillConfig, plan: RecurrencePlan) -> dict:
+def _attributes(cfg: PrefillConfig, plan: RecurrencePlan, phase: int) -> dict:
     """The custom call's static attributes; numpy scalars so each gets an exact MLIR type."""
     i32, f32 = np.int32, np.float32
     return dict(
@@ -109,25 +130,28 @@ def _attributes(cfg: PrefillConfig, plan: RecurrencePlan) -> dict:
         v_split=i32(plan.v_split),
         num_segments=i32(plan.num_segments),
         segment_len=i32(plan.segment_len),
+        phase=i32(phase),
     )
 
 
-def _lowering(ctx, *operands, cfg: PrefillConfig, plan: RecurrencePlan, target: str):
+def _lowering(ctx, *operands, cfg: PrefillConfig, plan: RecurrencePlan, target: str, phase: int):
     aliases = {}
-    if cfg.has_initial_state and cfg.output_final_state:
-        aliases = {_INITIAL_STATE: _FINAL_STATE}
+    if cfg.has_initial_state and cfg.output_final_state and phase != PHASE_SUMMARY:
+        aliases[_INITIAL_STATE] = _FINAL_STATE
+    if phase == PHASE_APPLY:
+        aliases[_WORKSPACE_IN] = _WORKSPACE_OUT
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
-    return rule(ctx, *operands, **_attributes(cfg, plan))
+    return rule(ctx, *operands, **_attributes(cfg, plan, phase))
 
 
-def _batch(args, dims, *, cfg: PrefillConfig, plan: RecurrencePlan, target: str):
+def _batch(args, dims, *, cfg: PrefillConfig, plan: RecurrencePlan, target: str, phase: int):
     """vmap: one kernel call per batch element (correct for dense and packed calls alike)."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
     moved = [
         jnp.broadcast_to(a, (size,) + a.shape) if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     ]
-    results = jax.lax.map(lambda xs: prefill_p.bind(*xs, cfg=cfg, plan=plan, target=target), moved)
+    results = jax.lax.map(lambda xs: prefill_p.bind(*xs, cfg=cfg, plan=plan, target=target, phase=phase), moved)
     return results, (0, 0, 0)
 
 
@@ -138,13 +162,13 @@ def _no_jvp(primals, tangents, **params):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_bind(cfg: PrefillConfig, plan: RecurrencePlan, target: str):
+def _compiled_bind(cfg: PrefillConfig, plan: RecurrencePlan, target: str, phase: int):
     """One jitted bind per static configuration, so eager calls compile once, not every call."""
-    return jax.jit(functools.partial(prefill_p.bind, cfg=cfg, plan=plan, target=target))
+    return jax.jit(functools.partial(prefill_p.bind, cfg=cfg, plan=plan, target=target, phase=phase))
 
 
-def _impl(*operands, cfg, plan, target):
-    return _compiled_bind(cfg, plan, target)(*operands)
+def _impl(*operands, cfg, plan, target, phase):
+    return _compiled_bind(cfg, plan, target, phase)(*operands)
 
 
 prefill_p.def_impl(_impl)

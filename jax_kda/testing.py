@@ -170,12 +170,13 @@ def hbm_floor_bytes(w: Workload) -> int:
 MMA_ON_HOPPER_TARGET = "jax_kda_prefill_sm90_mma"
 
 
-def prefill_on_target(target: str, q, k, v, g, beta, **kwargs):
+def prefill_on_target(target: str, q, k, v, g, beta, *, num_segments: int | None = None, **kwargs):
     """`jax_kda.prefill(q, k, v, g, beta, **kwargs)` run by the kernels behind custom call `target`,
-    bypassing backend dispatch (testing only: e.g. MMA_ON_HOPPER_TARGET on a Hopper GPU)."""
+    bypassing backend dispatch (testing only: e.g. MMA_ON_HOPPER_TARGET on a Hopper GPU).
+    `num_segments` overrides the planner's intracard context parallelism (None: its choice)."""
     from jax_kda import _native, planner
+    from jax_kda.api import kernel_prefill
     from jax_kda.config import validate
-    from jax_kda.primitive import kernel_operands, prefill_call
 
     # Backend dispatch is what normally loads the extension and registers its targets; do it here
     # (a no-op without the kernels, so this still lowers on a machine without a GPU).
@@ -183,7 +184,7 @@ def prefill_on_target(target: str, q, k, v, g, beta, **kwargs):
     if kwargs.get("cu_seqlens") is not None:
         kwargs["cu_seqlens"] = jnp.asarray(kwargs["cu_seqlens"])
     cfg = validate(q, k, v, g, beta, **kwargs)
-    operands = kernel_operands(cfg, q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"),
-                               kwargs.get("cu_seqlens"), kwargs.get("initial_state"))
-    return prefill_call(cfg, planner.plan_prefill(cfg), target, *operands)
+    plan = planner.plan_prefill(cfg, num_segments=num_segments)
+    return kernel_prefill(cfg, plan, target, q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"),
+                          kwargs.get("cu_seqlens"), kwargs.get("initial_state"))
 

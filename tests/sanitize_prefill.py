@@ -5,7 +5,8 @@ sm90 kernels and the sm100 kernels built for sm_90a.
 
 Covers packed sequences with zero-length ones and partial 16-token tiles, H = 12, T = 17, dense
 B > 1, no initial state, the in-place (aliased) state, and persistent prepare CTAs that process
-several items each. Exits non-zero if a result is off.
+several items each; and the segmented (context-parallel) path: its summary call, combine and apply
+call, with partial and empty segments. Exits non-zero if a result is off.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 import jax_kda
 from jax_kda import gold
+from jax_kda.primitive import FFI_TARGETS
 from jax_kda.testing import MMA_ON_HOPPER_TARGET, Workload, as_numpy64, gold_kwargs, make_inputs, prefill_on_target
 
 D = dict(head_k=128, head_v=128)
@@ -37,6 +39,7 @@ failed = False
 RUNNERS = {
     "sm90": lambda *a, **kw: jax_kda.prefill(*a, backend="sm90", **kw),
     "sm100 kernels built for sm_90a": lambda *a, **kw: prefill_on_target(MMA_ON_HOPPER_TARGET, *a, **kw),
+    "sm90, 3 segments": lambda *a, **kw: prefill_on_target(FFI_TARGETS["sm90"], *a, num_segments=3, **kw),
 }
 for w in CASES:
     args, kwargs = make_inputs(w, rng)

@@ -78,6 +78,7 @@ def test_custom_call_target_and_typed_attributes():
         "v_split": f"{plan.v_split} : i32",
         "num_segments": "1 : i32",
         "segment_len": "0 : i32",
+        "phase": "0 : i32",
     }
     for name, value in expected.items():
         assert re.search(rf"\b{name} = {re.escape(value)}", call), f"{name} = {value} not in {call}"
@@ -107,7 +108,7 @@ def test_plan_sizes_workspace_in_whole_chunk_slots():
 def test_kernel_primitive_is_forward_only():
     cfg, plan, _ = _lower("sm90")
     with pytest.raises(NotImplementedError, match="forward-only"):
-        jax.jvp(lambda x: prefill_call(cfg, plan, "t", x, x, x, x, x, x, x, x, x)[0], (jnp.ones(1),), (jnp.ones(1),))
+        jax.jvp(lambda x: prefill_call(cfg, plan, "t", x, x, x, x, x, x, x, x, x, x)[0], (jnp.ones(1),), (jnp.ones(1),))
 
 
 def test_prefill_on_target_lowers_to_that_target():

@@ -2,7 +2,8 @@
 
 The matrix is SPEC.md section 5 at the kernels' shape (K = V = 128, bf16): both gate forms and
 pre-activated gates down to -60 per token, long memory, T = 0, 1, 15, 16, 17, 33 and long, H = 1
-and H = 12, packed sequences with zero-length ones, B > 1, both state layouts. Plus the FFI
+and H = 12, packed sequences with zero-length ones, B > 1, both state layouts; the same through
+the segmented (context-parallel) path. Plus the FFI
 contract: inside a jitted program with other ops (command buffers), new buffers on every call,
 bitwise-identical results run to run, the initial state donated and updated in place.
 """
@@ -16,6 +17,7 @@ import pytest
 
 import jax_kda
 from jax_kda import gold
+from jax_kda.primitive import FFI_TARGETS
 from jax_kda.testing import MMA_ON_HOPPER_TARGET, Workload, as_numpy64, gold_kwargs, make_inputs, prefill_on_target
 
 pytestmark = pytest.mark.gpu
@@ -100,6 +102,51 @@ def test_blackwell_kernels_built_for_hopper_match_float64_recurrence(w, fresh_se
         assert s_err <= BAR
     else:
         assert final is None
+
+
+# Intracard context parallelism forced onto small shapes: (workload, segments per sequence).
+SEGMENTED_CASES = [
+    (W("seg_dense_b2", batch=2, seqlen=300, heads=2, **D), 3),
+    (W("seg_packed", seqlens=(13, 0, 250, 1, 100), heads=3, v_heads=6, gate="softplus", **D), 4),
+    (W("seg_long_memory", seqlen=2048, heads=2, long_memory=True, lower_bound=-1.0, **D), 8),
+    (W("seg_h12_v_first_no_initial", seqlen=500, heads=12, state_v_first=True, initial_state=False, **D), 5),
+    (W("seg_pre_minus60", seqlen=200, gate="preactivated", decay_floor=-60.0, **D), 2),
+    (W("seg_no_final_state", seqlen=200, output_final_state=False, **D), 2),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("target", [FFI_TARGETS["sm90"], MMA_ON_HOPPER_TARGET])
+@pytest.mark.parametrize("w,segments", SEGMENTED_CASES, ids=lambda c: getattr(c, "name", str(c)))
+def test_segmented_prefill_matches_float64_recurrence(w, segments, target, fresh_seed):
+    """The summary call, the combine and the apply call together, against the float64 recurrence."""
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    o, final = prefill_on_target(target, *args, num_segments=segments, **kwargs)
+    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
+    o32 = np.asarray(jnp.asarray(o, jnp.float32))
+    o_err = gold.err_ratio(o32, gold_o)
+    tag = "" if target == FFI_TARGETS["sm90"] else " (mma)"
+    print(f"{w.name} x{segments}{tag}: o err_ratio {o_err:.2e}")
+    assert o.shape == gold_o.shape and np.all(np.isfinite(o32)) and o_err <= BAR
+    if w.output_final_state:
+        s_err = gold.err_ratio(np.asarray(final), gold_final)
+        print(f"{w.name} x{segments}{tag}: state err_ratio {s_err:.2e}")
+        assert final.shape == gold_final.shape and s_err <= BAR
+    else:
+        assert final is None
+
+
+@requires_hopper
+def test_planner_segments_a_long_few_head_call_and_it_stays_exact(fresh_seed):
+    """jax_kda.prefill itself picks segments for a long sequence with few heads."""
+    w = W("auto_segments", seqlen=4096, heads=2, **D)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    text = jax.jit(lambda *a: jax_kda.prefill(*a, backend="sm90", **kwargs)).lower(*args).as_text()
+    assert "phase = 1 : i32" in text and "phase = 2 : i32" in text
+    o, final = jax_kda.prefill(*args, backend="sm90", **kwargs)
+    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
+    assert gold.err_ratio(np.asarray(jnp.asarray(o, jnp.float32)), gold_o) <= BAR
+    assert gold.err_ratio(np.asarray(final), gold_final) <= BAR
 
 
 @requires_hopper

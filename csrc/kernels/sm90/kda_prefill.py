@@ -3,7 +3,9 @@
 build/aot_compile.py compiles `prefill` (with `compile_arguments()`) for sm_90a into one object
 that serves every shape and flag combination: all sizes are symbolic, every flag is a runtime bit
 of `flags`. The exported C function launches `prepare_chunks` then `chunk_recurrence` on the
-caller's stream, and launches nothing when the grid would be empty. Build-time only (imports the DSL).
+caller's stream, and launches nothing when the grid would be empty. With FLAG_SKIP_PREPARE the workspace already holds
+prepare's operands and only the recurrence runs (the second call of a segmented prefill, see
+jax_kda/context_parallel.py). Build-time only (imports the DSL).
 
 Workspace (one buffer, bytes, 16-byte aligned; see `workspace_bytes`):
     R = (total_tokens // 16 + num_seqs) * HV           chunk slots x value heads
@@ -72,7 +74,7 @@ def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tenso
     vw = _region(base, rows64 * 12288, _F32, (rows * CHUNK, HEAD_DIM))
     mqk = _region(base, rows64 * 20480, _BF16, (rows * CHUNK, CHUNK))
     decay = _region(base, rows64 * 20992, _F32, (rows, HEAD_DIM))
-    if rows > 0:
+    if rows > 0 and (flags & prepare_chunks.FLAG_SKIP_PREPARE) == 0:
         # Persistent: as many CTAs as fit at once (num_sms: the device's SM count), each striding
         # over the rows.
         ctas = cutlass.min(rows, cutlass.max(num_sms, 1) * prepare_chunks.CTAS_PER_SM)

@@ -1,0 +1,129 @@
+"""Intracard context parallelism (jax_kda/context_parallel.py, planner): the segmentation and the
+combine against the float64 recurrence, the planner's choice, and the two-call lowering. CPU only;
+the kernels' side runs in tests/test_prefill_sm90.py on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_kda import gold, planner
+from jax_kda.config import validate
+from jax_kda.context_parallel import combine_segments, segment_offsets
+from jax_kda.primitive import FFI_TARGETS
+from jax_kda.testing import BENCHMARK_GRID, prefill_on_target
+
+S = jax.ShapeDtypeStruct
+
+
+def test_segment_offsets_cut_each_sequence_into_chunk_aligned_segments():
+    cu = np.array([0, 0, 37, 200, 201], np.int32)
+    n_seg, seg_len = 3, 64  # 3 x 64 covers the longest sequence (163 tokens)
+    offsets = segment_offsets(cu, n_seg, seg_len)
+    assert offsets.shape == (4 * n_seg + 1,) and offsets.dtype == np.int32
+    np.testing.assert_array_equal(offsets, np.asarray(segment_offsets(jnp.asarray(cu), n_seg, seg_len)))
+    assert np.all(np.diff(offsets) >= 0)
+    for i in range(4):
+        pieces = offsets[i * n_seg:(i + 1) * n_seg + 1]
+        assert pieces[0] == cu[i] and pieces[-1] == cu[i + 1]
+        # Every segment that starts inside the sequence starts a whole number of 16-token chunks
+        # after the sequence does (the ones past its end are empty).
+        inside = pieces[:-1][pieces[:-1] < cu[i + 1]]
+        assert np.all((inside - cu[i]) % 16 == 0)
+
+
+def _segment_summaries(q, k, v, g, beta, offsets, kwargs):
+    """Float64 per-segment zero-start states B and transitions M, as the summary call lays them out."""
+    hv, kdim = v.shape[2], q.shape[3]
+    out = []
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        seg = lambda x: x[:, a:b]  # noqa: E731
+        cu = np.array([0, b - a])
+        _, zero_start = gold.recurrence(seg(q), seg(k), seg(v), seg(g), seg(beta), cu_seqlens=cu, **kwargs)
+        identity = np.broadcast_to(np.eye(kdim), (1, hv, kdim, kdim))
+        _, transition = gold.recurrence(seg(q), seg(k), np.zeros_like(seg(v)), seg(g), seg(beta), cu_seqlens=cu,
+                                        initial_state=identity, **kwargs)
+        out += [zero_start[0], transition[0]]
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("with_initial_state", [False, True])
+def test_segment_summaries_combine_to_the_unsegmented_recurrence(with_initial_state):
+    rng = np.random.default_rng()
+    t, h, hv, d = 177, 1, 2, 32
+    cu = np.array([0, 50, 50, 177])
+    n, n_seg, seg_len = 3, 3, 48
+    q, k, v = (rng.standard_normal((1, t, n_h, d)) for n_h in (h, h, hv))
+    g = rng.standard_normal((1, t, hv, d))
+    beta = rng.standard_normal((1, t, hv))
+    kwargs = dict(scale=d ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  A_log=rng.uniform(-1, 1, hv), lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+    initial = rng.standard_normal((n, hv, d, d)) if with_initial_state else None
+    o_gold, final_gold = gold.recurrence(q, k, v, g, beta, cu_seqlens=cu, initial_state=initial, **kwargs)
+
+    offsets = segment_offsets(cu.astype(np.int32), n_seg, seg_len)
+    summaries = _segment_summaries(q, k, v, g, beta, offsets, kwargs)
+    starts = np.asarray(combine_segments(jnp.asarray(summaries, jnp.float32),
+                                         None if initial is None else jnp.asarray(initial, jnp.float32),
+                                         n, n_seg), np.float64)
+    # Running every segment from its combined start reproduces o and the final states.
+    o, finals = gold.recurrence(q, k, v, g, beta, cu_seqlens=offsets, initial_state=starts, **kwargs)
+    assert gold.err_ratio(o, o_gold) < 1e-5
+    assert gold.err_ratio(finals.reshape(n, n_seg, hv, d, d)[:, -1], final_gold) < 1e-5
+
+
+def _cfg(name):
+    w = next(w for w in BENCHMARK_GRID if w.name == name)
+    b, t = (1, w.total_tokens) if w.seqlens else (w.batch, w.seqlen)
+    n = len(w.seqlens) if w.seqlens else w.batch
+    arrays = [S((b, t, w.heads, 128), jnp.bfloat16)] * 4 + [S((b, t, w.heads), jnp.bfloat16)]
+    cu = S((n + 1,), jnp.int32) if w.seqlens else None
+    return validate(*arrays, cu_seqlens=cu, use_gate_in_kernel=True, lower_bound=-5.0,
+                    A_log=S((w.heads,), jnp.float32))
+
+
+@pytest.mark.parametrize("name", ["h8_fixed64k", "h12_fixed8k"])
+def test_planner_segments_calls_that_leave_most_sms_idle(name):
+    plan = planner.plan_prefill(_cfg(name), num_sms=132)
+    assert plan.num_segments > 1 and plan.segment_len % 16 == 0
+    assert plan.num_segments * plan.segment_len >= planner.longest_sequence(_cfg(name))
+
+
+@pytest.mark.parametrize("name", ["h96_fixed8k", "h96_8x1k", "h64_fixed1k", "h16_8x4k"])
+def test_planner_keeps_calls_that_fill_the_gpu_whole(name):
+    assert planner.plan_prefill(_cfg(name), num_sms=132).num_segments == 1
+
+
+def test_planner_rejects_a_segment_count_beyond_the_workspace_limit():
+    # 253 heads x 64K tokens fit whole ((4096 + 1) x 253 rows < 2^20) but not in 64 segments.
+    cfg = dataclasses.replace(_cfg("h8_fixed64k"), num_v_heads=253, num_qk_heads=253)
+    assert planner.plan_prefill(cfg, num_segments=1).num_segments == 1
+    with pytest.raises(ValueError, match="num_segments"):
+        planner.plan_prefill(cfg, num_segments=64)
+
+
+def test_segmented_call_lowers_to_a_summary_call_then_an_apply_call():
+    b, t, h, d = 2, 100, 3, 128
+    x = S((b, t, h, d), jnp.bfloat16)
+    beta = S((b, t, h), jnp.bfloat16)
+    state = S((b, h, d, d), jnp.float32)
+
+    def f(q, k, v, g, beta, state):
+        return prefill_on_target(FFI_TARGETS["sm90"], q, k, v, g, beta, initial_state=state, num_segments=3,
+                                 output_final_state=True, state_v_first=True)
+
+    text = jax.jit(f).trace(x, x, x, x, beta, state).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 2
+    summary, apply = calls
+    assert "phase = 1 : i32" in summary and "phase = 2 : i32" in apply
+    assert all("num_segments = 3 : i32" in c and "varlen = 1 : i32" in c for c in calls)
+    assert "tensor<0x0x0x0xbf16>" in summary and "tensor<12x3x128x128xf32>" in summary  # 2 x N x S
+    assert "output_operand_aliases" not in summary
+    # The apply call updates the combined start states in place and reuses the summary's workspace.
+    assert "operand_index = 8" in apply and "operand_index = 9" in apply
+    assert "tensor<200x3x128xbf16>" in apply.split("->")[1] or "tensor<1x200x3x128xbf16>" in apply.split("->")[1]
