@@ -32,7 +32,6 @@ from cutlass import Float32, Int32
 
 from sm90.chunk_recurrence import (
     CHUNK,
-    FLAG_SUMMARY,
     HEAD_DIM,
     STAGES,
     V_SLICE,
@@ -101,13 +100,13 @@ class ChunkRecurrenceMma(ChunkRecurrence):
         dst_mqk = thr_k.retile(b_mqk)
         dst_kr = thr_mn.retile(b_kr)
 
-        load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice)
+        load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice, self.summary)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(num_chunks, unroll=1):
             loads.consumer_wait(state)
             stage = state.index
-            load_values(acc_u, crd_t, s_vw, stage, v_slice)
+            load_values(acc_u, crd_t, s_vw, stage, v_slice, self.summary)
             _to_operand(acc_s, a_s)
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 _, kk = crd_s[e]
@@ -135,7 +134,7 @@ class ChunkRecurrenceMma(ChunkRecurrence):
             loads.consumer_release(state)
             state.advance()
 
-            if (flags & FLAG_SUMMARY) == 0:
+            if cutlass.const_expr(not self.summary):
                 store_output(acc_o, crd_t, s_out, o, c, tidx, hv, v_slice, bos, eos)
 
-        store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice)
+        store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice, self.summary)

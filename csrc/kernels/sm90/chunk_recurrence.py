@@ -16,8 +16,8 @@ Critical path per chunk: one 64-register conversion, two dependent wgmma batches
 rounding was the largest error term (tests/kda_chunk_model.py): carrying it as hi + lo halves
 takes the final-state error from ~2.4e-3 to ~1.7e-3 and o from ~2.9e-3 to ~2.5e-3 (measured).
 
-Segmented prefill (intracard context parallelism, jax_kda/context_parallel.py): with FLAG_SUMMARY
-the grid has twice the V slices; slices 0-1 run each segment from a zero state and slices 2-3 run
+Segmented prefill (intracard context parallelism, jax_kda/context_parallel.py): the summary variant
+of this kernel (ChunkRecurrence(summary=True), launched for FLAG_SUMMARY) has twice the V slices; slices 0-1 run each segment from a zero state and slices 2-3 run
 the identity's 128 columns with no values, and both store their final state ([2 N, HV, K, V]:
 B and M per segment) instead of o. The apply call is this kernel unchanged, over the segments.
 
@@ -42,7 +42,6 @@ from sm90.prepare_chunks import (
     FLAG_HAS_INITIAL_STATE,
     FLAG_OUTPUT_FINAL_STATE,
     FLAG_STATE_V_FIRST,
-    FLAG_SUMMARY,
     FLAG_VARLEN,
     sequence_bounds,
 )
@@ -54,7 +53,7 @@ STAGES = 4
 MMA_THREADS = 128
 THREADS = MMA_THREADS + 32
 PRODUCER_WARP = MMA_THREADS // 32
-SLICES = HEAD_DIM // V_SLICE  # CTAs per (value head, sequence); twice as many with FLAG_SUMMARY
+SLICES = HEAD_DIM // V_SLICE  # CTAs per (value head, sequence); twice as many in the summary kernel
 OUTPUT_BARRIER = 1
 # Output staging rows [16 tokens, 64 v] padded to 72: the accumulator's bf16 writes (lanes differ
 # by 2 tokens and 1 v) spread over all banks, and every row starts 16-byte aligned for the
@@ -107,13 +106,13 @@ def _to_operand_split(acc: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
 
 @cute.jit
 def load_state(acc_s: cute.Tensor, crd_s: cute.Tensor, initial_state: cute.Tensor, flags: Int32,
-               seq: Int32, hv: Int32, v_slice: Int32):
-    """acc_s <- this thread's elements of the initial state slice (zeros without one). With
-    FLAG_SUMMARY, slices SLICES.. are the transition columns: they start as the identity."""
+               seq: Int32, hv: Int32, v_slice: Int32, summary: cutlass.Constexpr = False):
+    """acc_s <- this thread's elements of the initial state slice (zeros without one). In the
+    summary kernel, slices SLICES.. are the transition columns: they start as the identity."""
     state_v_first = (flags & FLAG_STATE_V_FIRST) != 0
     v0 = v_slice * V_SLICE
     acc_s.fill(0.0)
-    if (flags & FLAG_SUMMARY) != 0:
+    if cutlass.const_expr(summary):
         if v_slice >= SLICES:
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 vv, kk = crd_s[e]
@@ -130,13 +129,13 @@ def load_state(acc_s: cute.Tensor, crd_s: cute.Tensor, initial_state: cute.Tenso
 
 @cute.jit
 def store_state(acc_s: cute.Tensor, crd_s: cute.Tensor, final_state: cute.Tensor, flags: Int32,
-                seq: Int32, hv: Int32, v_slice: Int32):
-    """This thread's elements of the final state slice (the same ones load_state read). With
-    FLAG_SUMMARY, final_state is [2 N, HV, K, V]: entry 2 n holds segment n's zero-start state B,
+                seq: Int32, hv: Int32, v_slice: Int32, summary: cutlass.Constexpr = False):
+    """This thread's elements of the final state slice (the same ones load_state read). In the
+    summary kernel, final_state is [2 N, HV, K, V]: entry 2 n holds segment n's zero-start state B,
     entry 2 n + 1 its transition M (M[k, j] = column j of the identity columns)."""
     state_v_first = (flags & FLAG_STATE_V_FIRST) != 0
     v0 = v_slice * V_SLICE
-    if (flags & FLAG_SUMMARY) != 0:
+    if cutlass.const_expr(summary):
         part = v_slice // SLICES
         v0 = v0 - part * HEAD_DIM
         for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -152,15 +151,24 @@ def store_state(acc_s: cute.Tensor, crd_s: cute.Tensor, final_state: cute.Tensor
 
 
 @cute.jit
-def load_values(acc_u: cute.Tensor, crd_t: cute.Tensor, s_vw: cute.Tensor, stage: Int32, v_slice: Int32):
+def load_values(acc_u: cute.Tensor, crd_t: cute.Tensor, s_vw: cute.Tensor, stage: Int32, v_slice: Int32,
+                summary: cutlass.Constexpr = False):
     """acc_u <- this chunk's Vw^T slice; zeros for the transition columns (slices SLICES.., which
-    only a FLAG_SUMMARY launch has)."""
-    if v_slice >= SLICES:
-        acc_u.fill(0.0)
+    only the summary kernel has)."""
+    if cutlass.const_expr(summary):
+        if v_slice >= SLICES:
+            acc_u.fill(0.0)
+        else:
+            _load_vw(acc_u, crd_t, s_vw, stage)
     else:
-        for e in cutlass.range_constexpr(cute.size(acc_u)):
-            vv, tt = crd_t[e]
-            acc_u[e] = s_vw[tt, vv, stage]
+        _load_vw(acc_u, crd_t, s_vw, stage)
+
+
+@cute.jit
+def _load_vw(acc_u: cute.Tensor, crd_t: cute.Tensor, s_vw: cute.Tensor, stage: Int32):
+    for e in cutlass.range_constexpr(cute.size(acc_u)):
+        vv, tt = crd_t[e]
+        acc_u[e] = s_vw[tt, vv, stage]
 
 
 @cute.jit
@@ -186,7 +194,10 @@ def store_output(acc_o: cute.Tensor, crd_t: cute.Tensor, s_out: cute.Tensor, o: 
 class ChunkRecurrence:
     """Host-side setup (TMA atoms, smem layouts, MMAs) and the device kernel."""
 
-    def __init__(self):
+    def __init__(self, summary: bool = False):
+        # summary: the phase-1 kernel of a segmented prefill (twice the V slices, B and M stored
+        # instead of o). A separate compiled kernel, so the ordinary one carries none of it.
+        self.summary = summary
         self.mma_tok = None
         self.mma_state = None
 
@@ -244,7 +255,7 @@ class ChunkRecurrence:
             kw_layout, kr_layout, mqk_layout, vw_layout, decay_layout, out_layout,
             cu_seqlens, initial_state, o, final_state, num_seqs, dense_len, flags,
             SharedStorage, stage_bytes,
-        ).launch(grid=[SLICES * (1 + (flags & FLAG_SUMMARY) // FLAG_SUMMARY), num_v_heads, num_seqs],
+        ).launch(grid=[SLICES * (2 if self.summary else 1), num_v_heads, num_seqs],
                  block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
@@ -287,6 +298,9 @@ class ChunkRecurrence:
         num_chunks = (eos - bos + CHUNK - 1) // CHUNK
         slot0 = bos // CHUNK + seq
 
+        vw_slice = v_slice
+        if cutlass.const_expr(self.summary):
+            vw_slice = v_slice % SLICES  # the transition slices load (and ignore) slice 0's values
         if warp == PRODUCER_WARP:
             # TMA producer: one stage per chunk, all six operands on one transaction barrier.
             t_kw_s, t_kw_g = cpasync.tma_partition(tma_kw, 0, cute.make_layout(1), cute.group_modes(s_kw, 0, 2),
@@ -298,7 +312,7 @@ class ChunkRecurrence:
             t_mqk_s, t_mqk_g = cpasync.tma_partition(tma_mqk, 0, cute.make_layout(1), cute.group_modes(s_mqk, 0, 2),
                                                      cute.group_modes(cute.local_tile(g_mqk, (CHUNK, CHUNK), (None, 0)), 0, 2))
             t_vw_s, t_vw_g = cpasync.tma_partition(tma_vw, 0, cute.make_layout(1), cute.group_modes(s_vw, 0, 2),
-                                                   cute.group_modes(cute.local_tile(g_vw, (CHUNK, V_SLICE), (None, v_slice % SLICES)), 0, 2))
+                                                   cute.group_modes(cute.local_tile(g_vw, (CHUNK, V_SLICE), (None, vw_slice)), 0, 2))
             t_dec_s, t_dec_g = cpasync.tma_partition(tma_dec, 0, cute.make_layout(1), cute.group_modes(s_dec, 0, 2),
                                                      cute.group_modes(cute.local_tile(g_dec, (1, HEAD_DIM), (None, 0)), 0, 2))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
@@ -346,13 +360,13 @@ class ChunkRecurrence:
         a_u = cute.make_rmem_tensor(_acc_as_operand_layout(acc_u.layout, a_value_shape), cutlass.BFloat16)
         a_u_lo = cute.make_rmem_tensor(_acc_as_operand_layout(acc_u.layout, a_value_shape), cutlass.BFloat16)
 
-        load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice)
+        load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice, self.summary)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(num_chunks, unroll=1):
             loads.consumer_wait(state)
             stage = state.index
-            load_values(acc_u, crd_t, s_vw, stage, v_slice)
+            load_values(acc_u, crd_t, s_vw, stage, v_slice, self.summary)
             _to_operand(acc_s, a_s)
             # Decay the fp32 state now: ptxas would otherwise serialize this against the
             # batch below anyway (it treats acc_s as live wgmma output across the loop).
@@ -384,7 +398,7 @@ class ChunkRecurrence:
             loads.consumer_release(state)
             state.advance()
 
-            if (flags & FLAG_SUMMARY) == 0:
+            if cutlass.const_expr(not self.summary):
                 store_output(acc_o, crd_t, s_out, o, c, tidx, hv, v_slice, bos, eos)
 
-        store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice)
+        store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice, self.summary)

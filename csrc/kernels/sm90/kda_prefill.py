@@ -83,9 +83,16 @@ def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tenso
             num_seqs, dense_len, flags, scale, lower_bound,
         ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream)
     if num_seqs * num_v_heads > 0:
-        recurrence().launch(
-            neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, initial_state, o, final_state, num_seqs,
-            dense_len, flags, stream)
+        # The summary pass of a segmented prefill is its own compiled kernel (no runtime branches
+        # in the ordinary one's per-chunk loop).
+        if (flags & prepare_chunks.FLAG_SUMMARY) != 0:
+            recurrence(summary=True).launch(
+                neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, initial_state, o, final_state, num_seqs,
+                dense_len, flags, stream)
+        else:
+            recurrence().launch(
+                neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, initial_state, o, final_state, num_seqs,
+                dense_len, flags, stream)
 
 
 def compile_arguments() -> tuple:
