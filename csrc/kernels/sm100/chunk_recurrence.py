@@ -38,6 +38,7 @@ from sm90.chunk_recurrence import (
     ChunkRecurrence,
     _to_operand,
     _to_operand_split,
+    decay_state,
     load_values,
     load_state,
     store_output,
@@ -108,9 +109,7 @@ class ChunkRecurrenceMma(ChunkRecurrence):
             stage = state.index
             load_values(acc_u, crd_t, s_vw, stage, v_slice, self.summary)
             _to_operand(acc_s, a_s)
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                _, kk = crd_s[e]
-                acc_s[e] = acc_s[e] * s_dec[0, kk, stage]
+            decay_state(acc_s, crd_s, s_dec, stage)
             acc_o.fill(0.0)
             # B fragments are loaded one k-block ahead of their use (ldmatrix latency overlaps the
             # MMAs of the previous k-block; registers hold two k-blocks, not the whole tile).

@@ -165,6 +165,14 @@ def load_values(acc_u: cute.Tensor, crd_t: cute.Tensor, s_vw: cute.Tensor, stage
 
 
 @cute.jit
+def decay_state(acc_s: cute.Tensor, crd_s: cute.Tensor, s_dec: cute.Tensor, stage: Int32):
+    """S^T *= decay, per column k (the chunk's total decay, fp32)."""
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        _, kk = crd_s[e]
+        acc_s[e] = acc_s[e] * s_dec[0, kk, stage]
+
+
+@cute.jit
 def _load_vw(acc_u: cute.Tensor, crd_t: cute.Tensor, s_vw: cute.Tensor, stage: Int32):
     for e in cutlass.range_constexpr(cute.size(acc_u)):
         vv, tt = crd_t[e]
@@ -370,9 +378,7 @@ class ChunkRecurrence:
             _to_operand(acc_s, a_s)
             # Decay the fp32 state now: ptxas would otherwise serialize this against the
             # batch below anyway (it treats acc_s as live wgmma output across the loop).
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                _, kk = crd_s[e]
-                acc_s[e] = acc_s[e] * s_dec[0, kk, stage]
+            decay_state(acc_s, crd_s, s_dec, stage)
 
             warpgroup.fence()
             mma_tok.set(warpgroup.Field.ACCUMULATE, True)
