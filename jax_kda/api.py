@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jax_kda import context_parallel, dispatch, planner, xla_backend
+from jax_kda import context_parallel, dispatch, xla_backend
 from jax_kda.config import validate
 from jax_kda.primitive import FFI_TARGETS, kernel_operands, prefill_call
 
@@ -106,8 +107,7 @@ def prefill(
     decision = dispatch.choose_backend(cfg, backend)
     if decision.backend == "xla":
         return _xla_prefill(cfg, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
-    device = dispatch.default_device()
-    plan = planner.plan_prefill(cfg, num_sms=getattr(device, "core_count", planner.DEFAULT_NUM_SMS))
+    plan = dispatch.plan_for(cfg)
     return kernel_prefill(cfg, plan, FFI_TARGETS[decision.backend], q, k, v, g, beta, A_log, dt_bias,
                           cu_seqlens, initial_state)
 
@@ -126,13 +126,19 @@ def explain(q, k, v, g, beta, **kwargs) -> dispatch.Decision:
 
     Takes exactly `prefill`'s arguments (arrays or `jax.ShapeDtypeStruct`s). Validates them like
     `prefill`, but never raises for an ineligible kernel backend: the reasons are in the result.
+    When a kernel backend serves the call, the result also carries the planner's `plan` (V split,
+    and the segments of intracard context parallelism when it segments the call).
     """
     requested = kwargs.pop("backend", "auto")
     cfg = validate(q, k, v, g, beta, backend=requested, **kwargs)
     if requested in ("auto", "xla"):
-        return dispatch.choose_backend(cfg, requested)
-    device = dispatch.default_device()
-    reasons = dispatch.kernel_limits(cfg, requested, device)
-    return dispatch.Decision(
-        requested, "unavailable" if reasons else requested, tuple(reasons), dispatch.device_backend(device)[1]
-    )
+        decision = dispatch.choose_backend(cfg, requested)
+    else:
+        device = dispatch.default_device()
+        reasons = dispatch.kernel_limits(cfg, requested, device)
+        decision = dispatch.Decision(
+            requested, "unavailable" if reasons else requested, tuple(reasons), dispatch.device_backend(device)[1]
+        )
+    if decision.backend in FFI_TARGETS:
+        decision = dataclasses.replace(decision, plan=dispatch.plan_for(cfg))
+    return decision

@@ -35,11 +35,25 @@ class Decision:
     backend: str
     reasons: tuple[str, ...] = ()
     device: str | None = None
+    plan: planner.RecurrencePlan | None = None  # how the kernels split the call (kernel backends)
 
     def __str__(self) -> str:
         head = f"backend={self.backend!r} (requested {self.requested!r}"
         head += f", device {self.device})" if self.device else ")"
+        if self.plan is not None:
+            p = self.plan
+            head += f"\n  plan: V split {p.v_split}, chunk {p.chunk_size}"
+            if p.num_segments > 1:
+                head += f", {p.num_segments} segments of {p.segment_len} tokens per sequence (context parallel)"
+            else:
+                head += ", unsegmented"
         return head + "".join(f"\n  - {r}" for r in self.reasons)
+
+
+def plan_for(cfg: PrefillConfig, device=None) -> planner.RecurrencePlan:
+    """The kernel plan for `cfg` on `device` (default: the default device; its SM count)."""
+    device = default_device() if device is None else device
+    return planner.plan_prefill(cfg, num_sms=getattr(device, "core_count", planner.DEFAULT_NUM_SMS))
 
 
 def argument_limits(cfg: PrefillConfig, backend: str) -> list[str]:

@@ -69,6 +69,18 @@ def test_explain_reports_the_decision():
     assert d.backend == "unavailable" and d.reasons
 
 
+def test_explain_shows_the_kernel_plan_and_its_segments(monkeypatch):
+    """A kernel decision carries the planner's plan; a few-head long call is segmented."""
+    monkeypatch.setattr(dispatch, "choose_backend", lambda cfg, requested, device=None: dispatch.Decision(requested, "sm90" if requested == "auto" else requested))
+    x = jax.ShapeDtypeStruct((1, 65536, 8, 128), jnp.bfloat16)
+    beta = jax.ShapeDtypeStruct((1, 65536, 8), jnp.bfloat16)
+    d = jax_kda.explain(x, x, x, x, beta)
+    assert d.plan is not None and d.plan.num_segments > 1
+    assert f"{d.plan.num_segments} segments of {d.plan.segment_len} tokens" in str(d)
+    d = jax_kda.explain(x, x, x, x, beta, backend="xla")
+    assert d.plan is None and "plan" not in str(d)
+
+
 def test_explicit_kernel_backend_on_the_wrong_device_raises_naming_the_device():
     with pytest.raises(ValueError, match=r"sm90 needs a GPU of compute capability 9.0; the default device is a NVIDIA H200 \(compute capability 8.0\)"):
         dispatch.choose_backend(_cfg(), "sm90", device=FakeGpu("8.0"))
