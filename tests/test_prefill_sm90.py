@@ -112,6 +112,7 @@ SEGMENTED_CASES = [
     (W("seg_h12_v_first_no_initial", seqlen=500, heads=12, state_v_first=True, initial_state=False, **D), 5),
     (W("seg_pre_minus60", seqlen=200, gate="preactivated", decay_floor=-60.0, **D), 2),
     (W("seg_no_final_state", seqlen=200, output_final_state=False, **D), 2),
+    (W("seg_gqa_v_first_state", seqlen=400, heads=2, v_heads=8, state_v_first=True, **D), 3),
 ]
 
 
