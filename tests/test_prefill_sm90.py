@@ -59,6 +59,24 @@ CASES = [
 ]
 
 
+def _assert_matches_gold(label: str, w: Workload, args, kwargs, o, final):
+    """o and the final state against the float64 recurrence at the SPEC's bar; prints the
+    err_ratio lines tests/run_gpu.sh collects."""
+    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
+    o32 = np.asarray(jnp.asarray(o, jnp.float32))
+    assert o.dtype == jnp.bfloat16 and o.shape == gold_o.shape
+    assert np.all(np.isfinite(o32))
+    o_err = gold.err_ratio(o32, gold_o)
+    print(f"{label}: o err_ratio {o_err:.2e}")
+    assert o_err <= BAR
+    if w.output_final_state:
+        s_err = gold.err_ratio(np.asarray(final), gold_final)
+        print(f"{label}: state err_ratio {s_err:.2e}")
+        assert final.dtype == jnp.float32 and final.shape == gold_final.shape and s_err <= BAR
+    else:
+        assert final is None
+
+
 def _run(w: Workload, seed: int, **extra):
     args, kwargs = make_inputs(w, np.random.default_rng(seed))
     o, final = jax_kda.prefill(*args, backend="sm90", **kwargs, **extra)
@@ -69,19 +87,7 @@ def _run(w: Workload, seed: int, **extra):
 @pytest.mark.parametrize("w", CASES, ids=lambda w: w.name)
 def test_kernel_matches_float64_recurrence(w, fresh_seed):
     args, kwargs, o, final = _run(w, fresh_seed)
-    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
-    o32 = np.asarray(jnp.asarray(o, jnp.float32))
-    assert o.dtype == jnp.bfloat16 and o.shape == gold_o.shape
-    assert np.all(np.isfinite(o32))
-    o_err = gold.err_ratio(o32, gold_o)
-    print(f"{w.name}: o err_ratio {o_err:.2e}")
-    assert o_err <= BAR
-    if w.output_final_state:
-        s_err = gold.err_ratio(np.asarray(final), gold_final)
-        print(f"{w.name}: state err_ratio {s_err:.2e}")
-        assert final.dtype == jnp.float32 and s_err <= BAR
-    else:
-        assert final is None
+    _assert_matches_gold(w.name, w, args, kwargs, o, final)
 
 
 @requires_hopper
@@ -91,17 +97,7 @@ def test_blackwell_kernels_built_for_hopper_match_float64_recurrence(w, fresh_se
     for sm_90a can: the whole accuracy matrix through them."""
     args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
     o, final = prefill_on_target(MMA_ON_HOPPER_TARGET, *args, **kwargs)
-    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
-    o32 = np.asarray(jnp.asarray(o, jnp.float32))
-    o_err = gold.err_ratio(o32, gold_o)
-    print(f"{w.name} (mma): o err_ratio {o_err:.2e}")
-    assert np.all(np.isfinite(o32)) and o_err <= BAR
-    if w.output_final_state:
-        s_err = gold.err_ratio(np.asarray(final), gold_final)
-        print(f"{w.name} (mma): state err_ratio {s_err:.2e}")
-        assert s_err <= BAR
-    else:
-        assert final is None
+    _assert_matches_gold(f"{w.name} (mma)", w, args, kwargs, o, final)
 
 
 # Intracard context parallelism forced onto small shapes: (workload, segments per sequence).
@@ -123,18 +119,8 @@ def test_segmented_prefill_matches_float64_recurrence(w, segments, target, fresh
     """The summary call, the combine and the apply call together, against the float64 recurrence."""
     args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
     o, final = prefill_on_target(target, *args, num_segments=segments, **kwargs)
-    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
-    o32 = np.asarray(jnp.asarray(o, jnp.float32))
-    o_err = gold.err_ratio(o32, gold_o)
     tag = "" if target == FFI_TARGETS["sm90"] else " (mma)"
-    print(f"{w.name} x{segments}{tag}: o err_ratio {o_err:.2e}")
-    assert o.shape == gold_o.shape and np.all(np.isfinite(o32)) and o_err <= BAR
-    if w.output_final_state:
-        s_err = gold.err_ratio(np.asarray(final), gold_final)
-        print(f"{w.name} x{segments}{tag}: state err_ratio {s_err:.2e}")
-        assert final.shape == gold_final.shape and s_err <= BAR
-    else:
-        assert final is None
+    _assert_matches_gold(f"{w.name} x{segments}{tag}", w, args, kwargs, o, final)
 
 
 @requires_hopper
@@ -145,9 +131,7 @@ def test_planner_segments_a_long_few_head_call_and_it_stays_exact(fresh_seed):
     text = jax.jit(lambda *a: jax_kda.prefill(*a, backend="sm90", **kwargs)).lower(*args).as_text()
     assert "phase = 1 : i32" in text and "phase = 2 : i32" in text
     o, final = jax_kda.prefill(*args, backend="sm90", **kwargs)
-    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
-    assert gold.err_ratio(np.asarray(jnp.asarray(o, jnp.float32)), gold_o) <= BAR
-    assert gold.err_ratio(np.asarray(final), gold_final) <= BAR
+    _assert_matches_gold(w.name, w, args, kwargs, o, final)
 
 
 @requires_hopper
