@@ -29,7 +29,7 @@ import numpy as np
 
 from jax_kda.config import PrefillConfig
 from jax_kda.planner import RecurrencePlan
-from jax_kda.primitive import PHASE_APPLY, PHASE_SUMMARY, dt_bias_operand, prefill_p
+from jax_kda.primitive import PHASE_APPLY, PHASE_SUMMARY, kernel_operands, prefill_p
 
 
 def segment_offsets(cu_seqlens, num_segments: int, segment_len: int):
@@ -50,14 +50,17 @@ def combine_segments(summaries, initial_state, num_seqs: int, num_segments: int)
     """
     _, hv, k, v = summaries.shape
     parts = jnp.reshape(summaries, (num_seqs, num_segments, 2, hv, k, v))
-    state = jnp.zeros((num_seqs, hv, k, v), jnp.float32) if initial_state is None else initial_state
+    state = initial_state  # None: zero, and the first segment's product with it is skipped
     starts = []
     for j in range(num_segments):
-        starts.append(state)
+        starts.append(jnp.zeros((num_seqs, hv, k, v), jnp.float32) if state is None else state)
         if j + 1 < num_segments:
             transition, zero_start = parts[:, j, 1], parts[:, j, 0]
-            state = jnp.einsum("nhkj,nhjv->nhkv", transition, state,
-                               precision=jax.lax.Precision.HIGHEST) + zero_start
+            if state is None:
+                state = zero_start
+            else:
+                state = jnp.einsum("nhkj,nhjv->nhkv", transition, state,
+                                   precision=jax.lax.Precision.HIGHEST) + zero_start
     return jnp.reshape(jnp.stack(starts, axis=1), (num_seqs * num_segments, hv, k, v))
 
 
@@ -77,27 +80,22 @@ def segmented_prefill(cfg: PrefillConfig, plan: RecurrencePlan, target: str, q, 
         cfg, batch=1, seqlen=tokens, num_seqs=n * n_seg, varlen=True, cu_seqlens_dtype="int32",
         state_v_first=False, has_initial_state=False, initial_state_dtype=None, output_final_state=True)
     flat = lambda x: jnp.reshape(x, (1, tokens) + x.shape[2:])  # noqa: E731
-    f32 = jnp.float32
-    inputs = (
-        flat(q), flat(k), flat(v), flat(g), flat(beta),
-        jnp.zeros((0,), f32) if A_log is None else jnp.asarray(A_log, f32),
-        dt_bias_operand(cfg, dt_bias),
-        seg_cu,
-    )
-    empty_state, empty_ws = jnp.zeros((0,), f32), jnp.zeros((0,), jnp.uint8)
-    _, summaries, workspace = prefill_p.bind(*inputs, empty_state, empty_ws, cfg=seg_cfg, plan=plan,
-                                             target=target, phase=PHASE_SUMMARY)
+    # The summary call's operands: no initial state, no workspace operand (both empty).
+    operands = kernel_operands(seg_cfg, flat(q), flat(k), flat(v), flat(g), flat(beta), A_log, dt_bias,
+                               seg_cu, None)
+    _, summaries, workspace = prefill_p.bind(*operands, cfg=seg_cfg, plan=plan, target=target,
+                                             phase=PHASE_SUMMARY)
 
     initial = None
     if cfg.has_initial_state:
-        initial = jnp.asarray(initial_state, f32)
+        initial = jnp.asarray(initial_state, jnp.float32)
         if cfg.state_v_first:
             initial = jnp.swapaxes(initial, -1, -2)
     starts = combine_segments(summaries, initial, n, n_seg)
 
     apply_cfg = dataclasses.replace(seg_cfg, has_initial_state=True, initial_state_dtype="float32")
-    o, finals, _ = prefill_p.bind(*inputs, starts, workspace, cfg=apply_cfg, plan=plan, target=target,
-                                  phase=PHASE_APPLY)
+    o, finals, _ = prefill_p.bind(*operands[:-2], starts, workspace, cfg=apply_cfg, plan=plan,
+                                  target=target, phase=PHASE_APPLY)
     o = jnp.reshape(o, (b, t) + o.shape[2:])
     if not cfg.output_final_state:
         return o, None
