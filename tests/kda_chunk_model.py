@@ -2,8 +2,9 @@
 
 This mirrors, step by step, what `prepare_chunks` and `chunk_recurrence` compute, with
 the same chunk size, the same exponent handling and the same rounding points: bf16 where the
-recurrence feeds a tensor-core MMA (U as a hi + lo pair of bf16), TF32 (round to nearest, ties away) where `prepare_chunks` does,
-fp32 elsewhere. Tests compare it against a float64
+recurrence feeds a tensor-core MMA (U as a hi + lo pair of bf16), TF32 where `prepare_chunks`
+does (round to nearest, ties away; the fast path's pair-product factors truncated), fp32
+elsewhere. Tests compare it against a float64
 token-by-token recurrence, which validates the math before a GPU ever runs the kernels.
 
 Conventions (all inside one sequence, one value head):
@@ -46,6 +47,13 @@ def tf32_round(x):
     x = np.ascontiguousarray(x, dtype=np.float32)
     bits = x.view(np.uint32)
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).reshape(x.shape)
+
+
+def tf32_truncate(x):
+    """Float32 values as a TF32 MMA operand that was given fp32 bits: the low 13 mantissa bits
+    dropped (truncation toward zero)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).reshape(x.shape)
 
 
 def _softplus(x):
@@ -92,8 +100,8 @@ def prepare_chunk(q, k, v, g2, beta, scale):
         # Entries with i < j may overflow here; they are discarded below (the kernel selects
         # them away). Entries with i >= j are bounded by |q_i| |k_j|.
         with np.errstate(over="ignore", invalid="ignore"):
-            a_kk = tf32_round(left) @ tf32_round(right).T
-            m_qk = tf32_round(query) @ tf32_round(right).T
+            a_kk = tf32_truncate(left) @ tf32_truncate(right).T
+            m_qk = tf32_truncate(query) @ tf32_truncate(right).T
         qd = query * (np.float32(scale) * ref_scale)
         kr = right * ref_scale
         k_dec = left * ref_scale

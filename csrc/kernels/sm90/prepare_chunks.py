@@ -23,8 +23,9 @@ then taken relative to G_ref = G_last / 2 and lie within 2^(+-FAST_PATH_RANGE/2)
 pair products use 2^(G_i - G_j) element-wise (i >= j, fp32 on CUDA cores).
 
 Rounding (tests/kda_chunk_model.py models it exactly): the fast path's factors k 2^(G-ref),
-q 2^(G-ref), k 2^(ref-G) and, on both paths, W and k 2^G are rounded to TF32 (round to nearest,
-ties away) as tensor-core operands; v is bf16, hence exact in TF32. Products accumulate in fp32.
+q 2^(G-ref), k 2^(ref-G) go to the TF32 MMA as fp32 bits (the tensor core truncates them to
+TF32); on both paths W and k 2^G are rounded to TF32 (round to nearest, ties away); v is bf16,
+hence exact in TF32. Products accumulate in fp32.
 
 Phases per item (four CTA barriers, after the one that publishes the item's stage):
     1  q, k, g from the stage (thread d: channel d, 16 tokens), gate, cumsum; l2-norm partial sums
@@ -423,9 +424,13 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
             left = k_r[i] * up
             query = q_r[i] * up
             right = k_r[i] * down
-            s_fac_bits[0, i, d] = tf32_bits(left)
-            s_fac_bits[1, i, d] = tf32_bits(query)
-            s_fac_bits[2, i, d] = tf32_bits(right)
+            # Stored as fp32: the TF32 MMA reads the top 19 bits (truncation), which costs no
+            # instructions; rounding them here (4 instructions each) bought no accuracy
+            # (tests/kda_chunk_model.py: the pair products feed L and Mqk, both far from the
+            # error budget's large terms).
+            s_fac[0, i, d] = left
+            s_fac[1, i, d] = query
+            s_fac[2, i, d] = right
             qd_out[row0 + i, d] = (query * q_scale).to(cutlass.BFloat16)
             kr_out[row0 + i, d] = (right * ref_scale).to(cutlass.BFloat16)
             kd_r[i] = left * ref_scale
