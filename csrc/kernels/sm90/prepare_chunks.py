@@ -528,12 +528,16 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
     cute.autovec_copy(kd_bits, s_op_bits[0, d, None])
     cute.autovec_copy(v_r, s_op[1, d, None])
     if d < CHUNK:
+        # Right-looking: once col[j] is final, it updates every later col[i]. Each col[i] still
+        # subtracts its terms in increasing j (the same float operations, bit for bit, as the
+        # row-by-row form), but the updates of one step are independent, so the dependency
+        # chain is 16 FFMAs long instead of 120.
         col = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
         for i in cutlass.range_constexpr(CHUNK):
-            x = Float32(1.0) if d == i else Float32(0.0)
-            for j in cutlass.range_constexpr(i):
-                x = x - s_lower[i, j] * col[j]
-            col[i] = x
+            col[i] = Float32(1.0) if d == i else Float32(0.0)
+        for j in cutlass.range_constexpr(CHUNK):
+            for i in cutlass.range_constexpr(j + 1, CHUNK):
+                col[i] = col[i] - s_lower[i, j] * col[j]
         b = s_beta[d]
         for i in cutlass.range_constexpr(CHUNK):
             s_w_bits[i, d] = tf32_bits(col[i] * b)
