@@ -1,7 +1,7 @@
 """Small prefill calls for compute-sanitizer (memcheck, racecheck): run by tests/run_gpu.sh; both the
 sm90 kernels and the sm100 kernels built for sm_90a.
 
-    compute-sanitizer --tool memcheck python tests/sanitize_prefill.py
+    compute-sanitizer --tool memcheck --kernel-name kns=kernel_cutlass python tests/sanitize_prefill.py
 
 Covers packed sequences with zero-length ones and partial 16-token tiles, H = 12, T = 17, dense
 B > 1, no initial state, the in-place (aliased) state, and persistent prepare CTAs that process
