@@ -122,6 +122,11 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   if (h == 0 || hv % h != 0) return InvalidArgument(target, "HV must be a multiple of H");
   const int64_t n = attrs.varlen ? cu_seqlens.element_count() - 1 : b;
   if (n < 0 || (attrs.varlen && b != 1)) return InvalidArgument(target, "packed sequences need B == 1 and N + 1 >= 1 offsets");
+  // The recurrence's grid is [V slices, HV, N]: CUDA allows at most 65535 blocks along y and z.
+  if (n > kMaxGridYZ || hv > kMaxGridYZ) {
+    return InvalidArgument(target, "at most 65535 sequences and 65535 value heads per call, got N = " +
+                           std::to_string(n) + ", HV = " + std::to_string(hv));
+  }
   if (attrs.gate_mode == 1 || attrs.gate_mode == 2) {
     if (static_cast<int64_t>(a_log.element_count()) != hv) return InvalidArgument(target, "A_log must have HV elements");
   }

@@ -21,6 +21,8 @@ inline constexpr int64_t kPrefillChunk = 16;
 inline constexpr int64_t kPrefillWorkspaceBytesPerRow = 3 * 4096 + 8192 + 512 + 512;
 // The kernels index workspace regions with 32-bit element offsets: rows * 2048 < 2^31.
 inline constexpr int64_t kPrefillMaxWorkspaceRows = int64_t{1} << 20;
+// The recurrence's grid is [V slices, HV, N]: CUDA's limit on grid y and z. Mirrored by planner.py.
+inline constexpr int64_t kMaxGridYZ = 65535;
 
 // Bits of the kernels' runtime `flags` argument (csrc/kernels/sm90/kda_prefill.py).
 enum PrefillFlag : int32_t {

@@ -69,6 +69,11 @@ def argument_limits(cfg: PrefillConfig, backend: str) -> list[str]:
         reasons.append(f"{backend} needs beta in bfloat16, got {cfg.beta_dtype}")
     if cfg.has_initial_state and cfg.initial_state_dtype != "float32":
         reasons.append(f"{backend} needs initial_state in float32, got {cfg.initial_state_dtype}")
+    if cfg.num_seqs > planner.MAX_GRID_YZ or cfg.num_v_heads > planner.MAX_GRID_YZ:
+        reasons.append(
+            f"{backend} supports at most {planner.MAX_GRID_YZ} sequences and {planner.MAX_GRID_YZ} value heads "
+            f"per call (CUDA grid limits), got N={cfg.num_seqs}, HV={cfg.num_v_heads}"
+        )
     rows = planner.workspace_rows(cfg)
     if rows >= planner.MAX_WORKSPACE_ROWS:
         reasons.append(

@@ -48,6 +48,8 @@ class RecurrencePlan:
 WORKSPACE_BYTES_PER_SLOT = 3 * 4096 + 8192 + 512 + 512
 # The kernels index the workspace regions with 32-bit element offsets: slots * HV < 2**20.
 MAX_WORKSPACE_ROWS = 1 << 20
+# The recurrence's grid is [V slices, HV, N]: CUDA allows at most 65535 blocks along y and z.
+MAX_GRID_YZ = 65535
 V_PER_CTA = 64
 
 

@@ -55,6 +55,17 @@ def test_argument_limits_name_argument_and_limit():
     assert "sm90 needs q, k, v in bfloat16, got float32" in reasons
 
 
+def test_argument_limits_name_the_grid_limit_on_sequences():
+    # 70 000 packed sequences fit the workspace limit but not the recurrence's grid (z <= 65535).
+    arrays = [S((1, 70_000, 2, 128), jnp.bfloat16)] * 4 + [S((1, 70_000, 2), jnp.bfloat16)]
+    cfg = validate(*arrays, cu_seqlens=S((70_001,), jnp.int32))
+    reasons = dispatch.argument_limits(cfg, "sm90")
+    assert reasons == ["sm90 supports at most 65535 sequences and 65535 value heads per call "
+                       "(CUDA grid limits), got N=70000, HV=2"]
+    assert dispatch.choose_backend(cfg, "auto", device=FakeGpu("9.0")).backend == "xla"
+    assert dispatch.argument_limits(_cfg(), "sm90") == []
+
+
 def test_auto_on_hopper_falls_back_with_reason_when_ineligible():
     d = dispatch.choose_backend(_cfg(dtype=jnp.float32), "auto", device=FakeGpu("9.0"))
     assert d.backend == "xla" and d.reasons and all(r.startswith("sm90") for r in d.reasons)
