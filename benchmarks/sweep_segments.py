@@ -6,7 +6,7 @@ what the planner's wave model predicts and picks: the data behind `jax_kda/plann
 Each CASE:N1,N2,... is a benchmark-grid case and the segment counts to force. Timing is
 bench_prefill.py's (K calls on K distinct input sets in one jitted program, CUPTI device time via
 torch.profiler, median); the per-kernel split sums the GPU activities of one profiled run by name
-(prepare, the recurrence passes, everything else: the combine's XLA ops) per call.
+(prepare, the recurrence passes, the combine kernel, everything else: XLA's own ops) per call.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ def split_by_kernel(run, calls: int) -> dict:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
-    out = dict(prepare=0.0, recurrence=0.0, other=0.0)
+    out = dict(prepare=0.0, recurrence=0.0, combine=0.0, other=0.0)
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        kind = "prepare" if "prepare" in e.name else "recurrence" if "ecurrence" in e.name else "other"
+        kind = next((k for k, key in (("prepare", "prepare"), ("recurrence", "ecurrence"),
+                                      ("combine", "combine_segments")) if key in e.name), "other")
         out[kind] += (e.time_range.end - e.time_range.start) / calls
     return out
 
@@ -64,7 +65,7 @@ def sweep(name: str, segment_counts: list[int], reps: int = 3):
         model = planner.recurrence_us(cfg, n, planner.DEFAULT_NUM_SMS)
         print(f"{name:14s} segments={n:3d}{' (planner)' if n == chosen else '          '} "
               f"device {timing['device'] * 1e6:8.0f} us | prepare {parts['prepare']:7.0f} "
-              f"recurrence {parts['recurrence']:7.0f} other {parts['other']:6.0f} | "
+              f"recurrence {parts['recurrence']:7.0f} combine {parts['combine']:5.0f} other {parts['other']:6.0f} | "
               f"model recurrence+combine {model:7.0f} us", flush=True)
 
 

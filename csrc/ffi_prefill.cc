@@ -5,8 +5,10 @@
 // Operands and attributes are those emitted by jax_kda/primitive.py (absent optional operands come
 // as empty arrays, and the flags say which are read). The `phase` attribute selects what one call
 // does: 0 the whole prefill; 1 and 2 the two calls of a segmented prefill (jax_kda/context_parallel.py):
-// 1 = prepare + per-segment summaries into final_state (o is empty), 2 = the recurrence alone on the
-// workspace operand (phase 1's workspace, aliased to this call's workspace result). The handler reads only shapes, pointers and
+// 1 = prepare, the per-segment summaries and every segment's start state, all into the workspace
+// (o and final_state are empty; initial_state has one entry per sequence), 2 = the recurrence alone,
+// from those starts, on the workspace operand (phase 1's workspace, aliased to this call's workspace
+// result). In both, N counts segments (sequences x num_segments). The handler reads only shapes, pointers and
 // static attributes, allocates nothing (the workspace is an XLA-allocated result), never
 // synchronizes and never reads device data on the host, so its launch replays unchanged from a CUDA
 // graph: it is marked command-buffer compatible.
@@ -77,10 +79,11 @@ ffi::Error CheckAttrs(const char* target, const PrefillAttrs& a) {
   if (a.gate_mode < 0 || a.gate_mode > 3) {
     return InvalidArgument(target, "gate_mode must be 0..3, got " + std::to_string(a.gate_mode));
   }
-  if (a.chunk_size != kPrefillChunk || a.v_split != 2 || a.num_segments < 1 || a.phase < kWhole ||
-      a.phase > kApply || (a.phase != kWhole && (!a.varlen || a.state_v_first))) {
-    return InvalidArgument(target, "this build supports chunk_size=16, v_split=2, num_segments>=1, phase 0..2 "
-                           "(1, 2 packed, state K-first); got " + std::to_string(a.chunk_size) + ", " +
+  if (a.chunk_size != kPrefillChunk || a.v_split != 2 || a.num_segments < 1 || a.num_segments > kMaxSegments ||
+      a.phase < kWhole || a.phase > kApply ||
+      (a.phase != kWhole && (!a.varlen || a.state_v_first || a.num_segments < 2))) {
+    return InvalidArgument(target, "this build supports chunk_size=16, v_split=2, num_segments 1..255, phase 0..2 "
+                           "(1, 2 packed, state K-first, >= 2 segments); got " + std::to_string(a.chunk_size) + ", " +
                            std::to_string(a.v_split) + ", " + std::to_string(a.num_segments) + ", phase " +
                            std::to_string(a.phase) + " (a jax_kda Python/extension version mismatch?)");
   }
@@ -134,13 +137,17 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
     return InvalidArgument(target, "dt_bias must have HV * 128 elements (zeros when absent)");
   }
   const int64_t state_elements = n * hv * d * d;
-  if (attrs.has_initial_state && static_cast<int64_t>(initial_state.element_count()) != state_elements) {
-    return InvalidArgument(target, "initial_state must be [N, HV, 128, 128]");
+  const bool segmented = attrs.phase != kWhole;
+  if (segmented && n % attrs.num_segments != 0) {
+    return InvalidArgument(target, "a segmented call's N counts segments: a multiple of num_segments");
+  }
+  // A summary call's initial state has one entry per sequence, N / num_segments.
+  const int64_t initial_elements = attrs.phase == kSummary ? state_elements / attrs.num_segments : state_elements;
+  if (attrs.has_initial_state && static_cast<int64_t>(initial_state.element_count()) != initial_elements) {
+    return InvalidArgument(target, "initial_state must be [N, HV, 128, 128] (phase 1: N / num_segments)");
   }
   if (attrs.phase == kSummary) {
-    if (static_cast<int64_t>(final_state->element_count()) != 2 * state_elements) {
-      return InvalidArgument(target, "phase 1: final_state must be [2 N, HV, 128, 128]");
-    }
+    if (final_state->element_count() != 0) return InvalidArgument(target, "phase 1: final_state must be empty");
   } else if (attrs.output_final_state && static_cast<int64_t>(final_state->element_count()) != state_elements) {
     return InvalidArgument(target, "final_state must be [N, HV, 128, 128]");
   }
@@ -153,15 +160,20 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   if (rows >= kPrefillMaxWorkspaceRows || tokens > INT32_MAX) {
     return InvalidArgument(target, "((B*T) // 16 + N) * HV must be < 2^20, got " + std::to_string(rows));
   }
-  if (static_cast<int64_t>(workspace->element_count()) < rows * kPrefillWorkspaceBytesPerRow) {
+  if (attrs.phase == kApply && attrs.has_initial_state) {
+    return InvalidArgument(target, "phase 2 starts from the workspace: it takes no initial_state");
+  }
+  const int64_t workspace_needed = PrefillWorkspaceBytes(tokens, n, hv, segmented);
+  if (static_cast<int64_t>(workspace->element_count()) < workspace_needed) {
     return InvalidArgument(target, "workspace has " + std::to_string(workspace->element_count()) + " bytes, needs " +
-                           std::to_string(rows * kPrefillWorkspaceBytesPerRow));
+                           std::to_string(workspace_needed));
   }
   // o is empty in phase 1 and never written there; the kernels still take a view of v's shape.
   void* o_data = attrs.phase == kSummary ? const_cast<void*>(v.untyped_data()) : o->untyped_data();
+  const void* initial_data = attrs.has_initial_state ? initial_state.untyped_data() : q.untyped_data();
   for (const void* p : std::initializer_list<const void*>{q.untyped_data(), k.untyped_data(), v.untyped_data(),
                                                          g.untyped_data(), beta.untyped_data(), o_data,
-                                                         workspace->untyped_data()}) {
+                                                         initial_data, workspace->untyped_data()}) {
     if (!Aligned16(p)) return InvalidArgument(target, "every buffer must be 16-byte aligned");
   }
 
@@ -187,6 +199,7 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   if (attrs.state_v_first) flags |= kFlagStateVFirst;
   if (attrs.phase == kSummary) flags |= kFlagSummary;
   if (attrs.phase == kApply) flags |= kFlagSkipPrepare;
+  if (segmented) flags |= attrs.num_segments << kSegmentsShift;
 
   const PrefillParams params{
       .q = q.untyped_data(),
@@ -251,7 +264,7 @@ auto PrefillBinding() {
       .Arg<ffi::Buffer<ffi::F32>>()              // initial_state [N, HV, 128, 128] (either layout), or [0]
       .Arg<ffi::BufferR1<ffi::U8>>()             // workspace_in: [0], or (phase 2) the workspace result's buffer
       .Ret<ffi::BufferR4<ffi::BF16>>()           // o [B, T, HV, 128]
-      .Ret<ffi::Buffer<ffi::F32>>()              // final_state like initial_state (aliases it), or [0]; phase 1 [2N, ...]
+      .Ret<ffi::Buffer<ffi::F32>>()              // final_state like initial_state (aliases it), or [0]; [0] in phase 1
       .Ret<ffi::BufferR1<ffi::U8>>()             // workspace: prepare -> recurrence hand-off
       .Attrs<PrefillAttrs>();                    // the static attributes (flags and plan), by name
 }

@@ -61,7 +61,9 @@ Tensor Unread(const void* data) {
 template <typename T>
 cudaError_t Launch(const PrefillParams& p, cudaStream_t stream) {
   const int64_t d = kPrefillHeadDim;
-  const int32_t gate_mode = p.flags >> kGateModeShift;
+  const int32_t gate_mode = (p.flags >> kGateModeShift) & 3;
+  const bool summary = (p.flags & kFlagSummary) != 0;
+  const int32_t segments = (p.flags >> kSegmentsShift) & 0xFF;
   auto q = TokenMajor<typename T::Q>(p.q, p.total_tokens, p.num_qk_heads, d);
   auto k = TokenMajor<typename T::K>(p.k, p.total_tokens, p.num_qk_heads, d);
   auto v = TokenMajor<typename T::V>(p.v, p.total_tokens, p.num_v_heads, d);
@@ -76,14 +78,15 @@ cudaError_t Launch(const PrefillParams& p, cudaStream_t stream) {
                         ? typename T::CuSeqlens{const_cast<int32_t*>(p.cu_seqlens), {p.num_seqs + 1}}
                         : Unread<typename T::CuSeqlens>(p.q);
   const int64_t state_stride = int64_t{p.num_v_heads} * d * d;
+  // A summary call's initial state has one entry per sequence (its num_seqs counts segments).
+  const int32_t initial_states = summary && segments > 0 ? p.num_seqs / segments : p.num_seqs;
   auto initial_state = (p.flags & kFlagHasInitialState)
                            ? typename T::State0{const_cast<float*>(p.initial_state),
-                                                {p.num_seqs, p.num_v_heads}, {state_stride}}
+                                                {initial_states, p.num_v_heads}, {state_stride}}
                            : Unread<typename T::State0>(p.q);
   auto o = TokenMajor<typename T::O>(p.o, p.total_tokens, p.num_v_heads, d);
-  const int32_t final_states = (p.flags & kFlagSummary) ? 2 * p.num_seqs : p.num_seqs;
-  auto final_state = (p.flags & (kFlagOutputFinalState | kFlagSummary))
-                         ? typename T::State1{p.final_state, {final_states, p.num_v_heads}, {state_stride}}
+  auto final_state = ((p.flags & kFlagOutputFinalState) && !summary)
+                         ? typename T::State1{p.final_state, {p.num_seqs, p.num_v_heads}, {state_stride}}
                          : Unread<typename T::State1>(p.o);
   typename T::Workspace workspace{p.workspace, {p.workspace_bytes}};
   return static_cast<cudaError_t>(T::Wrapper(&T::module, &q, &k, &v, &g, &beta, &a_log, &dt_bias,

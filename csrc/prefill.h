@@ -32,14 +32,21 @@ enum PrefillFlag : int32_t {
   kFlagHasInitialState = 1 << 3,
   kFlagOutputFinalState = 1 << 4,
   kFlagStateVFirst = 1 << 5,
-  // The two calls of a segmented prefill (intracard context parallelism, jax_kda/context_parallel.py):
-  // kFlagSummary writes each segment's zero-start state and transition into final_state
-  // ([2 N, HV, 128, 128], no o); kFlagSkipPrepare runs only the recurrence on a workspace that
-  // already holds prepare's operands.
+  // The two calls of a segmented prefill (intracard context parallelism, jax_kda/context_parallel.py),
+  // whose num_seqs counts segments (N sequences x S segments, S in the kSegmentsShift bits):
+  // kFlagSummary writes each segment's zero-start state and transition into the workspace (no o,
+  // no final_state), then every segment's start state from them and initial_state ([N, HV, 128,
+  // 128], one per sequence, with kFlagHasInitialState); kFlagSkipPrepare runs only the
+  // recurrence, from those start states, on a workspace that already holds prepare's operands.
   kFlagSummary = 1 << 6,
   kFlagSkipPrepare = 1 << 7,
 };
-inline constexpr int kGateModeShift = 8;
+inline constexpr int kGateModeShift = 8;     // bits 8..9
+inline constexpr int kSegmentsShift = 16;    // bits 16..23: S in segmented calls
+inline constexpr int32_t kMaxSegments = 255;
+// Bytes of one fp32 state [128, 128]; a segmented call's workspace holds 3 per segment and value
+// head after the prepare regions (B, M and the start state).
+inline constexpr int64_t kPrefillStateBytes = kPrefillHeadDim * kPrefillHeadDim * 4;
 
 struct PrefillParams {
   // Inputs. Token-major, row-major, contiguous; total_tokens = B * T.
@@ -52,10 +59,11 @@ struct PrefillParams {
   const float* dt_bias;       // [num_v_heads * 128]; read for gate modes 1, 2, 3
   const int32_t* cu_seqlens;  // [num_seqs + 1]; read with kFlagVarlen
   const float* initial_state; // [num_seqs, num_v_heads, 128, 128]; read with kFlagHasInitialState
+                              // ([num_seqs / S, ...] with kFlagSummary)
   // Outputs.
   void* o;                    // bf16 [total_tokens, num_v_heads, 128]; not written with kFlagSummary
-  float* final_state;         // like initial_state (may be the same buffer); with kFlagOutputFinalState.
-                              // [2 N, num_v_heads, 128, 128] with kFlagSummary
+  float* final_state;         // like initial_state (may be the same buffer); with kFlagOutputFinalState,
+                              // never with kFlagSummary
   void* workspace;            // workspace_bytes, 16-byte aligned
   int64_t workspace_bytes;
   // Sizes.
@@ -65,7 +73,7 @@ struct PrefillParams {
   int32_t num_seqs;           // N: B for dense inputs, len(cu_seqlens) - 1 when packed
   int32_t dense_len;          // T per sequence for dense inputs (ignored with kFlagVarlen)
   // Flags and scalars.
-  int32_t flags;              // PrefillFlag bits | gate_mode << kGateModeShift
+  int32_t flags;              // PrefillFlag bits | gate_mode << kGateModeShift | S << kSegmentsShift
   float scale;
   float lower_bound;
   // Launch shape: the device's SM count (sizes the persistent prepare grid; any value >= 1 is
@@ -76,6 +84,12 @@ struct PrefillParams {
 // Workspace rows (chunk slots x value heads) the kernels use for these sizes.
 inline int64_t PrefillWorkspaceRows(int64_t total_tokens, int64_t num_seqs, int64_t num_v_heads) {
   return (total_tokens / kPrefillChunk + num_seqs) * num_v_heads;
+}
+
+// Workspace bytes the kernels use (num_seqs: segments in the calls of a segmented prefill).
+inline int64_t PrefillWorkspaceBytes(int64_t total_tokens, int64_t num_seqs, int64_t num_v_heads, bool segmented) {
+  return PrefillWorkspaceRows(total_tokens, num_seqs, num_v_heads) * kPrefillWorkspaceBytesPerRow +
+         (segmented ? 3 * num_seqs * num_v_heads * kPrefillStateBytes : 0);
 }
 
 // The exported prefill objects (build/aot_compile.py KERNELS).

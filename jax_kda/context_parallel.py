@@ -2,16 +2,18 @@
 in parallel on one GPU, for calls with too few sequences x heads to fill it.
 
 The recurrence is affine in the state. Over one segment, each column of the state evolves as
-`s_end = M s_start + b`, with the segment's transition M [K, K] and its zero-start state b. So:
+`s_end = M s_start + b`, with the segment's transition M [K, K] and its zero-start state b. Two
+kernel calls, both over the N * S segments as one packed batch:
 
-1. **Summary call** (`PHASE_SUMMARY`): prepare runs over all segments as one packed batch, and the
-   recurrence runs every segment from a zero state (giving B [K, V]) and, in extra CTAs, from the
-   identity with no values (giving M, the state of K "identity columns"). No o is written.
-2. **Combine** (here, in XLA, fp32 at HIGHEST precision): walking the segments of each sequence in
-   order, `start_0 = initial_state`, `start_{j+1} = M_j start_j + B_j`.
-3. **Apply call** (`PHASE_APPLY`): the recurrence alone, on the summary call's workspace, runs every
-   segment from its true start state and writes o and each segment's final state; a sequence's
-   final state is that of its last segment.
+1. **Summary call** (`PHASE_SUMMARY`): prepare runs over all segments, and the recurrence runs every
+   segment from a zero state (giving B [K, V]) and, in extra CTAs, from the identity with no values
+   (giving M, the state of K "identity columns"). No o is written. Then a small kernel
+   (csrc/kernels/sm90/combine_segments.py) walks each sequence's segments in order, in fp32:
+   `start_0 = initial_state`, `start_{j+1} = M_j start_j + B_j`. B, M and the starts stay in the
+   call's workspace.
+2. **Apply call** (`PHASE_APPLY`): the recurrence alone, on the summary call's workspace, runs every
+   segment from its start state and writes o and each segment's final state; a sequence's final
+   state is that of its last segment.
 
 Segments are chunk-aligned (`plan.segment_len` is a multiple of 16 tokens), so prepare's chunks are
 the same as without segments. Sequence i's segment j covers tokens
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,29 +42,6 @@ def segment_offsets(cu_seqlens, num_segments: int, segment_len: int):
     return xp.concatenate([xp.reshape(seg_starts, (-1,)), cu_seqlens[-1:]]).astype(xp.int32)
 
 
-def combine_segments(summaries, initial_state, num_seqs: int, num_segments: int):
-    """Each segment's start state from the summary call's output.
-
-    summaries: [2 N S, HV, K, V] fp32, entry 2 i + 0 the zero-start state B of packed segment i
-    (sequence i // S, segment i % S), entry 2 i + 1 its transition M (M[k, j] at [.., k, j]).
-    initial_state: [N, HV, K, V] fp32 (K-first) or None. Returns [N S, HV, K, V].
-    """
-    _, hv, k, v = summaries.shape
-    parts = jnp.reshape(summaries, (num_seqs, num_segments, 2, hv, k, v))
-    state = initial_state  # None: zero, and the first segment's product with it is skipped
-    starts = []
-    for j in range(num_segments):
-        starts.append(jnp.zeros((num_seqs, hv, k, v), jnp.float32) if state is None else state)
-        if j + 1 < num_segments:
-            transition, zero_start = parts[:, j, 1], parts[:, j, 0]
-            if state is None:
-                state = zero_start
-            else:
-                state = jnp.einsum("nhkj,nhjv->nhkv", transition, state,
-                                   precision=jax.lax.Precision.HIGHEST) + zero_start
-    return jnp.reshape(jnp.stack(starts, axis=1), (num_seqs * num_segments, hv, k, v))
-
-
 def segmented_prefill(cfg: PrefillConfig, plan: RecurrencePlan, target: str, q, k, v, g, beta, A_log,
                       dt_bias, cu_seqlens, initial_state):
     """The kernels' prefill with `plan.num_segments` > 1. Returns (o, final_state or None)."""
@@ -75,26 +53,26 @@ def segmented_prefill(cfg: PrefillConfig, plan: RecurrencePlan, target: str, q, 
     else:
         cu = np.arange(b + 1, dtype=np.int32) * t
     seg_cu = jnp.asarray(segment_offsets(cu, n_seg, seg_len))
-    # Both calls see one packed batch of N * S segments, states K-first.
+    # Both calls see one packed batch of N * S segments, states K-first fp32.
     seg_cfg = dataclasses.replace(
         cfg, batch=1, seqlen=tokens, num_seqs=n * n_seg, varlen=True, cu_seqlens_dtype="int32",
         state_v_first=False, has_initial_state=False, initial_state_dtype=None, output_final_state=True)
     flat = lambda x: jnp.reshape(x, (1, tokens) + x.shape[2:])  # noqa: E731
-    # The summary call's operands: no initial state, no workspace operand (both empty).
-    operands = kernel_operands(seg_cfg, flat(q), flat(k), flat(v), flat(g), flat(beta), A_log, dt_bias,
-                               seg_cu, None)
-    _, summaries, workspace = prefill_p.bind(*operands, cfg=seg_cfg, plan=plan, target=target,
-                                             phase=PHASE_SUMMARY)
-
+    # The summary call takes the N sequences' initial state (it computes every segment's start).
     initial = None
     if cfg.has_initial_state:
         initial = jnp.asarray(initial_state, jnp.float32)
         if cfg.state_v_first:
             initial = jnp.swapaxes(initial, -1, -2)
-    starts = combine_segments(summaries, initial, n, n_seg)
-
-    apply_cfg = dataclasses.replace(seg_cfg, has_initial_state=True, initial_state_dtype="float32")
-    o, finals, _ = prefill_p.bind(*operands[:-2], starts, workspace, cfg=apply_cfg, plan=plan,
+    summary_cfg = dataclasses.replace(seg_cfg, has_initial_state=cfg.has_initial_state,
+                                      initial_state_dtype="float32" if cfg.has_initial_state else None)
+    operands = kernel_operands(summary_cfg, flat(q), flat(k), flat(v), flat(g), flat(beta), A_log,
+                               dt_bias, seg_cu, initial)
+    _, _, workspace = prefill_p.bind(*operands, cfg=summary_cfg, plan=plan, target=target,
+                                     phase=PHASE_SUMMARY)
+    # The apply call: no initial state operand (the starts are in the workspace).
+    no_initial = jnp.zeros((0,), jnp.float32)
+    o, finals, _ = prefill_p.bind(*operands[:-2], no_initial, workspace, cfg=seg_cfg, plan=plan,
                                   target=target, phase=PHASE_APPLY)
     o = jnp.reshape(o, (b, t) + o.shape[2:])
     if not cfg.output_final_state:

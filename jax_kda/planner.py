@@ -49,7 +49,11 @@ WORKSPACE_BYTES_PER_SLOT = 3 * 4096 + 8192 + 512 + 512
 # The kernels index the workspace regions with 32-bit element offsets: slots * HV < 2**20.
 MAX_WORKSPACE_ROWS = 1 << 20
 # The recurrence's grid is [V slices, HV, N]: CUDA allows at most 65535 blocks along y and z.
+# (A segmented call's N counts segments.)
 MAX_GRID_YZ = 65535
+# A segmented call's workspace also holds 3 fp32 states [128, 128] per (segment, value head): its
+# zero-start state B, its transition M and its start state.
+STATE_BYTES = 128 * 128 * 4
 V_PER_CTA = 64
 
 
@@ -60,11 +64,13 @@ def workspace_rows(cfg: PrefillConfig) -> int:
 
 
 # The recurrence wave model (measured on the H200, ncu): a 16-token chunk step takes ~0.66 us with
-# one CTA per SM and ~0.78 us with two (75 KB of shared memory each: at most two fit); one combine
-# step between the passes (an fp32 batched matmul and an add in XLA) costs about a dozen steps.
+# one CTA per SM and ~0.78 us with two (75 KB of shared memory each: at most two fit). The combine
+# between the passes (csrc/kernels/sm90/combine_segments.py) is serial over segments: ~1.5 us per
+# segment, a prediction (an fp32 [128 x 128] x [128 x 16] product per CTA and step) not yet
+# measured; the XLA combine it replaced measured ~9 us per segment.
 RECURRENCE_CTAS_PER_SM = 2
 STEP_US_ALONE, STEP_US_SHARED = 0.66, 0.78
-COMBINE_US_PER_SEGMENT = 8.0
+COMBINE_US_PER_SEGMENT = 1.5
 SEGMENT_CHOICES = (2, 4, 8, 16, 32, 64)
 CP_MIN_GAIN = 0.85  # take segments only when the model predicts at most 85 % of the unsegmented time
 
@@ -101,6 +107,23 @@ def segmented_workspace_rows(cfg: PrefillConfig, num_segments: int) -> int:
     return ((cfg.batch * cfg.seqlen) // KERNEL_CHUNK_SIZE + cfg.num_seqs * num_segments) * cfg.num_v_heads
 
 
+def segments_fit(cfg: PrefillConfig, num_segments: int) -> bool:
+    """Whether the kernels' limits allow `num_segments` segments per sequence: the workspace's 32-bit
+    offsets, and the recurrence's grid (its N counts segments)."""
+    if segmented_workspace_rows(cfg, num_segments) >= MAX_WORKSPACE_ROWS:
+        return False
+    return cfg.num_seqs * num_segments <= MAX_GRID_YZ
+
+
+def workspace_bytes(cfg: PrefillConfig, num_segments: int) -> int:
+    """The kernels' workspace: prepare's operands per chunk slot and head, and for a segmented
+    call three states per (segment, value head)."""
+    size = segmented_workspace_rows(cfg, num_segments) * WORKSPACE_BYTES_PER_SLOT
+    if num_segments > 1:
+        size += 3 * cfg.num_seqs * num_segments * cfg.num_v_heads * STATE_BYTES
+    return size
+
+
 def choose_segments(cfg: PrefillConfig, num_sms: int) -> int:
     """The segment count the wave model likes best (1 unless segments win clearly)."""
     if cfg.num_seqs == 0:
@@ -110,7 +133,7 @@ def choose_segments(cfg: PrefillConfig, num_sms: int) -> int:
     for n in SEGMENT_CHOICES:
         if segment_length(cfg, n) < 4 * KERNEL_CHUNK_SIZE:
             break
-        if segmented_workspace_rows(cfg, n) >= MAX_WORKSPACE_ROWS:
+        if not segments_fit(cfg, n):
             break
         us = recurrence_us(cfg, n, num_sms)
         if us < limit and us < best_us:
@@ -126,13 +149,14 @@ def plan_prefill(cfg: PrefillConfig, *, num_sms: int = DEFAULT_NUM_SMS,
     shapes); the override must keep the workspace within the kernels' 32-bit offsets.
     """
     n = choose_segments(cfg, num_sms) if num_segments is None else num_segments
-    if n < 1 or segmented_workspace_rows(cfg, n) >= MAX_WORKSPACE_ROWS:
-        raise ValueError(f"num_segments={n} is not possible for this call (workspace rows "
-                         f"{segmented_workspace_rows(cfg, n)}, limit {MAX_WORKSPACE_ROWS})")
+    if n < 1 or n > max(SEGMENT_CHOICES) or not segments_fit(cfg, n):
+        raise ValueError(f"num_segments={n} is not possible for this call (1..{max(SEGMENT_CHOICES)}; "
+                         f"workspace rows {segmented_workspace_rows(cfg, n)} < {MAX_WORKSPACE_ROWS}; "
+                         f"sequences x segments {cfg.num_seqs * n} <= {MAX_GRID_YZ})")
     return RecurrencePlan(
         chunk_size=KERNEL_CHUNK_SIZE,
         v_split=max(cfg.head_v // V_PER_CTA, 1),
         num_segments=n,
         segment_len=segment_length(cfg, n) if n > 1 else 0,
-        workspace_bytes=segmented_workspace_rows(cfg, n) * WORKSPACE_BYTES_PER_SLOT,
+        workspace_bytes=workspace_bytes(cfg, n),
     )

@@ -13,10 +13,11 @@ requested, the two share a buffer (`operand_output_aliases`), so a donated initi
 in place.
 
 `phase` (static) is what one call does: `PHASE_WHOLE` the whole prefill; `PHASE_SUMMARY` and
-`PHASE_APPLY` the two calls of a segmented prefill (jax_kda/context_parallel.py). A summary call
-returns an empty o and, as its "final state", `[2 N, HV, K, V]`: per segment its zero-start state
-and its transition. An apply call takes that call's workspace as its last operand (aliased to its
-own workspace result) and runs only the recurrence.
+`PHASE_APPLY` the two calls of a segmented prefill (jax_kda/context_parallel.py), whose config
+counts segments as sequences. A summary call returns an empty o and an empty final state: it leaves
+every segment's start state in its workspace, and takes the sequences' initial state (one entry per
+sequence, K-first fp32) when there is one. An apply call takes that call's workspace as its last
+operand (aliased to its own workspace result) and runs only the recurrence, from those starts.
 """
 
 from __future__ import annotations
@@ -85,9 +86,7 @@ def _result_avals(cfg: PrefillConfig, plan: RecurrencePlan, phase: int):
     o_shape = (cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v)
     state_shape = cfg.state_shape if cfg.output_final_state else (0,)
     if phase == PHASE_SUMMARY:
-        o_shape = (0, 0, 0, 0)
-        n, hv, k, v = cfg.state_shape
-        state_shape = (2 * n, hv, k, v)
+        o_shape, state_shape = (0, 0, 0, 0), (0,)
     o = jax.core.ShapedArray(o_shape, jnp.dtype(cfg.dtype))
     final_state = jax.core.ShapedArray(state_shape, jnp.float32)
     workspace = jax.core.ShapedArray((plan.workspace_bytes,), jnp.uint8)

@@ -1,6 +1,7 @@
 """Intracard context parallelism (jax_kda/context_parallel.py, planner): the segmentation and the
-combine against the float64 recurrence, the planner's choice, and the two-call lowering. CPU only;
-the kernels' side runs in tests/test_prefill_sm90.py on a GPU."""
+combine's math against the float64 recurrence, the planner's choice, and the two-call lowering. CPU
+only; the kernels' side (summary, combine and apply kernels) runs in tests/test_prefill_sm90.py on
+a GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from jax_kda import gold, planner
 from jax_kda.config import validate
-from jax_kda.context_parallel import combine_segments, segment_offsets
+from jax_kda.context_parallel import segment_offsets
 from jax_kda.primitive import FFI_TARGETS
 from jax_kda.testing import BENCHMARK_GRID, prefill_on_target
 
@@ -34,6 +35,19 @@ def test_segment_offsets_cut_each_sequence_into_chunk_aligned_segments():
         # after the sequence does (the ones past its end are empty).
         inside = pieces[:-1][pieces[:-1] < cu[i + 1]]
         assert np.all((inside - cu[i]) % 16 == 0)
+
+
+def _combine(summaries, initial, num_seqs, num_segments):
+    """Float64 reference of csrc/kernels/sm90/combine_segments.py: start_0 = initial (or 0),
+    start_{j+1} = M_j start_j + B_j over each sequence's segments."""
+    _, hv, k, v = summaries.shape
+    parts = summaries.reshape(num_seqs, num_segments, 2, hv, k, v)
+    state = np.zeros((num_seqs, hv, k, v)) if initial is None else initial
+    starts = np.zeros((num_seqs, num_segments, hv, k, v))
+    for j in range(num_segments):
+        starts[:, j] = state
+        state = parts[:, j, 1] @ state + parts[:, j, 0]
+    return starts.reshape(num_seqs * num_segments, hv, k, v)
 
 
 def _segment_summaries(q, k, v, g, beta, offsets, kwargs):
@@ -67,9 +81,7 @@ def test_segment_summaries_combine_to_the_unsegmented_recurrence(with_initial_st
 
     offsets = segment_offsets(cu.astype(np.int32), n_seg, seg_len)
     summaries = _segment_summaries(q, k, v, g, beta, offsets, kwargs)
-    starts = np.asarray(combine_segments(jnp.asarray(summaries, jnp.float32),
-                                         None if initial is None else jnp.asarray(initial, jnp.float32),
-                                         n, n_seg), np.float64)
+    starts = _combine(summaries, initial, n, n_seg)
     # Running every segment from its combined start reproduces o and the final states.
     o, finals = gold.recurrence(q, k, v, g, beta, cu_seqlens=offsets, initial_state=starts, **kwargs)
     assert gold.err_ratio(o, o_gold) < 1e-5
@@ -98,6 +110,21 @@ def test_planner_keeps_calls_that_fill_the_gpu_whole(name):
     assert planner.plan_prefill(_cfg(name), num_sms=132).num_segments == 1
 
 
+def test_segmented_workspace_holds_three_states_per_segment_and_head():
+    cfg = _cfg("h12_fixed8k")
+    plan = planner.plan_prefill(cfg, num_segments=4)
+    rows = (8192 // 16 + 4) * 12
+    assert plan.workspace_bytes == rows * planner.WORKSPACE_BYTES_PER_SLOT + 3 * 4 * 12 * 128 * 128 * 4
+
+
+def test_planner_keeps_segments_within_the_grid_limit():
+    # A segmented call's grid has one z block per (sequence, segment): at most 65535.
+    cfg = dataclasses.replace(_cfg("h8_fixed64k"), batch=2000, num_seqs=2000, seqlen=64, num_v_heads=1, num_qk_heads=1)
+    assert planner.plan_prefill(cfg, num_segments=32).num_segments == 32
+    with pytest.raises(ValueError, match="sequences x segments 128000 <= 65535"):
+        planner.plan_prefill(cfg, num_segments=64)
+
+
 def test_planner_rejects_a_segment_count_beyond_the_workspace_limit():
     # 253 heads x 64K tokens fit whole ((4096 + 1) x 253 rows < 2^20) but not in 64 segments.
     cfg = dataclasses.replace(_cfg("h8_fixed64k"), num_v_heads=253, num_qk_heads=253)
@@ -122,8 +149,15 @@ def test_segmented_call_lowers_to_a_summary_call_then_an_apply_call():
     summary, apply = calls
     assert "phase = 1 : i32" in summary and "phase = 2 : i32" in apply
     assert all("num_segments = 3 : i32" in c and "varlen = 1 : i32" in c for c in calls)
-    assert "tensor<0x0x0x0xbf16>" in summary and "tensor<12x3x128x128xf32>" in summary  # 2 x N x S
+    # The summary call takes the 2 sequences' initial state (K-first) and returns an empty o and an
+    # empty final state: B, M and the start states stay in its workspace.
+    summary_in, summary_out = summary.split("->")
+    assert "tensor<2x3x128x128xf32>" in summary_in
+    assert "tensor<0x0x0x0xbf16>" in summary_out and "tensor<0xf32>" in summary_out
     assert "output_operand_aliases" not in summary
-    # The apply call updates the combined start states in place and reuses the summary's workspace.
-    assert "operand_index = 8" in apply and "operand_index = 9" in apply
+    # The apply call has no initial state operand, reuses the summary's workspace in place and
+    # returns the 6 segments' final states.
+    apply_in, apply_out = apply.split("->")
+    assert "tensor<0xf32>" in apply_in and "tensor<6x3x128x128xf32>" in apply_out
+    assert "operand_index = 8" not in apply and "operand_index = 9" in apply
     assert "tensor<200x3x128xbf16>" in apply.split("->")[1] or "tensor<1x200x3x128xbf16>" in apply.split("->")[1]

@@ -109,6 +109,9 @@ SEGMENTED_CASES = [
     (W("seg_pre_minus60", seqlen=200, gate="preactivated", decay_floor=-60.0, **D), 2),
     (W("seg_no_final_state", seqlen=200, output_final_state=False, **D), 2),
     (W("seg_gqa_v_first_state", seqlen=400, heads=2, v_heads=8, state_v_first=True, **D), 3),
+    # A long combine chain (16 segments, two sequences, a given state; 80-token segments, the last
+    # shorter).
+    (W("seg_16_dense_b2", batch=2, seqlen=1250, heads=3, **D), 16),
 ]
 
 

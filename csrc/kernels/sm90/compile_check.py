@@ -77,9 +77,10 @@ def ptxas_usage(ptx_path):
 
 
 def short_name(kernel):
-    for known in ("prepare_chunks_kernel", "ChunkRecurrence"):
+    for known, short in (("prepare_chunks_kernel", "prepare_chunks"), ("ChunkRecurrence", "chunk_recurrence"),
+                         ("combine_segments_kernel", "combine_segments")):
         if known in kernel:
-            return "prepare_chunks" if known.startswith("prepare") else "chunk_recurrence"
+            return short
     return kernel[:60]
 
 
@@ -98,7 +99,7 @@ def main():
     ctypes.CDLL(cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=False)[0], mode=ctypes.RTLD_GLOBAL)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # csrc/kernels
     import cutlass.cute as cute
-    from sm90 import chunk_recurrence, kda_prefill, prepare_chunks
+    from sm90 import chunk_recurrence, combine_segments, kda_prefill, prepare_chunks
 
     compiled = cute.compile(kda_prefill.prefill, *kda_prefill.compile_arguments(), options="--gpu-arch sm_90a")
     compiled.export_to_c(out_dir, "prefill_sm_90a", function_prefix="jax_kda_prefill_sm_90a")
@@ -107,6 +108,7 @@ def main():
     smem = {
         "prepare_chunks": prepare_chunks.shared_memory_bytes(),
         "chunk_recurrence": chunk_recurrence.shared_memory_bytes(),
+        "combine_segments": combine_segments.shared_memory_bytes(),
     }
     ok = True
     for ptx in glob.glob(os.path.join(dump_dir, "*.ptx")):

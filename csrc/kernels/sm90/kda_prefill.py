@@ -15,6 +15,13 @@ Workspace (one buffer, bytes, 16-byte aligned; see `workspace_bytes`):
     [12288 R, 20480 R)   vw      fp32 [R * 16, 128]
     [20480 R, 20992 R)   mqk     bf16 [R * 16, 16]
     [20992 R, 21504 R)   decay   fp32 [R, 128]
+and, in the two calls of a segmented prefill (num_seqs = N S segments; P = num_seqs * HV * 65536):
+    [21504 R, 21504 R + 2 P)         bm      fp32 [2 num_seqs, HV, 128, 128]  per segment B, M
+    [21504 R + 2 P, 21504 R + 3 P)   starts  fp32 [num_seqs, HV, 128, 128]    per segment start state
+
+Launch order: prepare (unless FLAG_SKIP_PREPARE); then the recurrence, which is the summary kernel
+followed by `combine_segments` with FLAG_SUMMARY, the ordinary kernel from `starts` with
+FLAG_SKIP_PREPARE, and the ordinary kernel from `initial_state` otherwise.
 """
 
 
@@ -24,24 +31,35 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from sm90 import chunk_recurrence, prepare_chunks
+from sm90 import chunk_recurrence, combine_segments, prepare_chunks
 
 CHUNK = 16
 HEAD_DIM = 128
 WORKSPACE_BYTES_PER_SLOT_HEAD = 3 * 4096 + 8192 + 512 + 512
+STATE_BYTES = HEAD_DIM * HEAD_DIM * 4  # one fp32 state [128, 128]
 # The runtime `flags` bits are defined in prepare_chunks.py (FLAG_*); csrc/prefill.h mirrors them.
 
 _BF16, _F32 = cutlass.BFloat16, cutlass.Float32
 
 
-def workspace_bytes(total_tokens: int, num_seqs: int, num_v_heads: int) -> int:
-    """Workspace size for `total_tokens` = B * T tokens in `num_seqs` sequences (B when dense)."""
-    return (total_tokens // CHUNK + num_seqs) * num_v_heads * WORKSPACE_BYTES_PER_SLOT_HEAD
+def workspace_bytes(total_tokens: int, num_seqs: int, num_v_heads: int, segmented: bool = False) -> int:
+    """Workspace size for `total_tokens` = B * T tokens in `num_seqs` sequences (B when dense;
+    segments, for the calls of a segmented prefill)."""
+    size = (total_tokens // CHUNK + num_seqs) * num_v_heads * WORKSPACE_BYTES_PER_SLOT_HEAD
+    return size + (3 * num_seqs * num_v_heads * STATE_BYTES if segmented else 0)
 
 
 def _region(ws_bytes_ptr, byte_offset, dtype, shape):
     ptr = cute.recast_ptr(ws_bytes_ptr + cute.assume(byte_offset, divby=512), dtype=dtype)
     return cute.make_tensor(ptr, cute.make_layout(shape, stride=(shape[1], 1)))
+
+
+def _states(ws_bytes_ptr, byte_offset, count, num_v_heads):
+    """fp32 states [count, HV, 128, 128] (K-first, compact) at `byte_offset` of the workspace."""
+    ptr = cute.recast_ptr(ws_bytes_ptr + cute.assume(byte_offset, divby=512), dtype=_F32)
+    plane = HEAD_DIM * HEAD_DIM
+    return cute.make_tensor(ptr, cute.make_layout((count, num_v_heads, HEAD_DIM, HEAD_DIM),
+                                                  stride=(cute.assume(cutlass.Int64(num_v_heads) * plane, divby=plane), plane, HEAD_DIM, 1)))
 
 
 @cute.jit
@@ -83,12 +101,29 @@ def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tenso
             num_seqs, dense_len, flags, scale, lower_bound,
         ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream)
     if num_seqs * num_v_heads > 0:
-        # The summary pass of a segmented prefill is its own compiled kernel (no runtime branches
-        # in the ordinary one's per-chunk loop).
+        # Segmented calls (num_seqs counts segments): per-segment B and M, then start states, after
+        # the six regions above.
+        seg_base = rows64 * WORKSPACE_BYTES_PER_SLOT_HEAD
+        seg_states = cutlass.Int64(num_seqs) * num_v_heads * STATE_BYTES
         if (flags & prepare_chunks.FLAG_SUMMARY) != 0:
+            # The summary pass is its own compiled kernel (no runtime branches in the ordinary
+            # one's per-chunk loop); it stores B and M as its "final states".
+            bm = _states(base, seg_base, 2 * num_seqs, num_v_heads)
+            starts = _states(base, seg_base + 2 * seg_states, num_seqs, num_v_heads)
             recurrence(summary=True).launch(
-                neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, initial_state, o, final_state, num_seqs,
+                neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, initial_state, o, bm, num_seqs,
                 dense_len, flags, stream)
+            segments = (flags >> prepare_chunks.SEGMENTS_SHIFT) & 0xFF
+            if segments > 0:
+                sequences = num_seqs // segments
+                if sequences > 0:
+                    combine_segments.launch(bm, initial_state, starts, sequences, num_v_heads, segments,
+                                            flags, stream)
+        elif (flags & prepare_chunks.FLAG_SKIP_PREPARE) != 0:
+            starts = _states(base, seg_base + 2 * seg_states, num_seqs, num_v_heads)
+            recurrence().launch(
+                neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, starts, o, final_state, num_seqs,
+                dense_len, flags | prepare_chunks.FLAG_HAS_INITIAL_STATE, stream)
         else:
             recurrence().launch(
                 neg_kw, qd, kr, mqk, vw, decay, cu_seqlens, initial_state, o, final_state, num_seqs,

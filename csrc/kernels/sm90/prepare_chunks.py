@@ -70,12 +70,16 @@ FLAG_HAS_INITIAL_STATE = 1 << 3
 FLAG_OUTPUT_FINAL_STATE = 1 << 4
 FLAG_STATE_V_FIRST = 1 << 5
 # Intracard context parallelism (jax_kda/context_parallel.py): the two kernel calls of a segmented
-# prefill. SUMMARY: the recurrence writes, per segment, its zero-start state B and its transition M
-# (state of identity columns with no values) instead of o. SKIP_PREPARE: the workspace already
-# holds prepare's operands (from the SUMMARY call); run only the recurrence.
+# prefill, whose num_seqs counts segments (N sequences x S segments). SUMMARY: the recurrence writes,
+# per segment, its zero-start state B and its transition M (state of identity columns with no
+# values) into the workspace instead of o, then combine_segments turns them into every segment's
+# start state (in the workspace); initial_state then holds the N sequences' start states. SKIP_PREPARE:
+# the workspace already holds prepare's operands and the start states (from the SUMMARY call); run
+# only the recurrence, from those starts.
 FLAG_SUMMARY = 1 << 6
 FLAG_SKIP_PREPARE = 1 << 7
 GATE_MODE_SHIFT = 8  # bits 8..9: 0 pre-activated, 1 softplus, 2 lower-bound*sigmoid(exp(A)x), 3 lower-bound*sigmoid(x)
+SEGMENTS_SHIFT = 16  # bits 16..23: S, segments per sequence, in SUMMARY and SKIP_PREPARE calls
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g, v tiles (cp.async, 16 bytes per copy) while it works on the current
