@@ -65,12 +65,14 @@ def workspace_rows(cfg: PrefillConfig) -> int:
 
 # The recurrence wave model (measured on the H200, ncu): a 16-token chunk step takes ~0.66 us with
 # one CTA per SM and ~0.78 us with two (75 KB of shared memory each: at most two fit). The combine
-# between the passes (csrc/kernels/sm90/combine_segments.py) is serial over segments: ~1.5 us per
-# segment, a prediction (an fp32 [128 x 128] x [128 x 16] product per CTA and step) not yet
-# measured; the XLA combine it replaced measured ~9 us per segment.
+# between the passes (csrc/kernels/sm90/combine_segments.py) is serial over segments, one step per
+# segment boundary; a step is an fp32 [128 x 128] x [128 x 16] product per CTA (8 CTAs per sequence
+# and value head), FMA-bound: ~1.3 us with one CTA per SM (a prediction, 2 048 cycles of FFMA), and
+# proportionally longer with more CTAs per SM.
 RECURRENCE_CTAS_PER_SM = 2
 STEP_US_ALONE, STEP_US_SHARED = 0.66, 0.78
-COMBINE_US_PER_SEGMENT = 1.5
+COMBINE_STEP_US = 1.3
+COMBINE_CTAS_PER_SEQUENCE_HEAD = 8
 SEGMENT_CHOICES = (2, 4, 8, 16, 32, 64)
 CP_MIN_GAIN = 0.85  # take segments only when the model predicts at most 85 % of the unsegmented time
 
@@ -99,7 +101,14 @@ def recurrence_us(cfg: PrefillConfig, num_segments: int, num_sms: int) -> float:
         return waves(base, -(-longest_sequence(cfg) // KERNEL_CHUNK_SIZE))
     steps = segment_length(cfg, num_segments) // KERNEL_CHUNK_SIZE
     n = num_segments
-    return waves(2 * base * n, steps) + waves(base * n, steps) + COMBINE_US_PER_SEGMENT * n
+    return waves(2 * base * n, steps) + waves(base * n, steps) + combine_us(cfg, n, num_sms)
+
+
+def combine_us(cfg: PrefillConfig, num_segments: int, num_sms: int) -> float:
+    """The model's time of the combine kernel: num_segments - 1 dependent steps, each as long as
+    the CTAs sharing one SM make it."""
+    ctas = COMBINE_CTAS_PER_SEQUENCE_HEAD * cfg.num_seqs * cfg.num_v_heads
+    return (num_segments - 1) * COMBINE_STEP_US * -(-ctas // max(num_sms, 1))
 
 
 def segmented_workspace_rows(cfg: PrefillConfig, num_segments: int) -> int:
