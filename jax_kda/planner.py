@@ -66,13 +66,15 @@ def workspace_rows(cfg: PrefillConfig) -> int:
 # The recurrence wave model (measured on the H200, ncu): a 16-token chunk step takes ~0.66 us with
 # one CTA per SM and ~0.78 us with two (75 KB of shared memory each: at most two fit). The combine
 # between the passes (csrc/kernels/sm90/combine_segments.py) is serial over segments, one step per
-# segment boundary; a step is an fp32 [128 x 128] x [128 x 16] product per CTA (8 CTAs per sequence
-# and value head), FMA-bound: ~1.3 us with one CTA per SM (a prediction, 2 048 cycles of FFMA), and
-# proportionally longer with more CTAs per SM.
+# segment boundary, an fp32 [128 x 128] x [128 x block] product per CTA. Its launcher takes 8-column
+# blocks (16 CTAs per sequence and value head) when those fit at one CTA per SM, else 16-column
+# blocks (8 CTAs). Measured per step (sweep_segments.py): 2.7 us with 8 columns, 3.7 us with 16
+# columns at one CTA per SM, about proportionally longer with more CTAs per SM (HV = 32, 4 and 8
+# segments: 8.3 and 7.1 us per step at two per SM).
 RECURRENCE_CTAS_PER_SM = 2
 STEP_US_ALONE, STEP_US_SHARED = 0.66, 0.78
-COMBINE_STEP_US = 1.3
-COMBINE_CTAS_PER_SEQUENCE_HEAD = 8
+COMBINE_NARROW_CTAS, COMBINE_NARROW_STEP_US = 16, 2.7
+COMBINE_WIDE_CTAS, COMBINE_WIDE_STEP_US = 8, 3.7
 SEGMENT_CHOICES = (2, 4, 8, 16, 32, 64)
 CP_MIN_GAIN = 0.85  # take segments only when the model predicts at most 85 % of the unsegmented time
 
@@ -105,10 +107,13 @@ def recurrence_us(cfg: PrefillConfig, num_segments: int, num_sms: int) -> float:
 
 
 def combine_us(cfg: PrefillConfig, num_segments: int, num_sms: int) -> float:
-    """The model's time of the combine kernel: num_segments - 1 dependent steps, each as long as
-    the CTAs sharing one SM make it."""
-    ctas = COMBINE_CTAS_PER_SEQUENCE_HEAD * cfg.num_seqs * cfg.num_v_heads
-    return (num_segments - 1) * COMBINE_STEP_US * -(-ctas // max(num_sms, 1))
+    """The model's time of the combine kernel: num_segments - 1 dependent steps, in the variant its
+    launcher picks, each as long as the CTAs sharing one SM make it."""
+    pairs = cfg.num_seqs * cfg.num_v_heads
+    if COMBINE_NARROW_CTAS * pairs <= num_sms:
+        return (num_segments - 1) * COMBINE_NARROW_STEP_US
+    per_sm = -(-(COMBINE_WIDE_CTAS * pairs) // max(num_sms, 1))
+    return (num_segments - 1) * COMBINE_WIDE_STEP_US * per_sm
 
 
 def segmented_workspace_rows(cfg: PrefillConfig, num_segments: int) -> int:

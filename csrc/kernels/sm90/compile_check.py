@@ -108,7 +108,7 @@ def main():
     smem = {
         "prepare_chunks": prepare_chunks.shared_memory_bytes(),
         "chunk_recurrence": chunk_recurrence.shared_memory_bytes(),
-        "combine_segments": combine_segments.shared_memory_bytes(),
+        "combine_segments": " / ".join(str(combine_segments.shared_memory_bytes(c)) for c in combine_segments.V_BLOCKS),
     }
     ok = True
     for ptx in glob.glob(os.path.join(dump_dir, "*.ptx")):

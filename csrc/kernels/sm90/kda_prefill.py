@@ -118,7 +118,7 @@ def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tenso
                 sequences = num_seqs // segments
                 if sequences > 0:
                     combine_segments.launch(bm, initial_state, starts, sequences, num_v_heads, segments,
-                                            flags, stream)
+                                            flags, num_sms, stream)
         elif (flags & prepare_chunks.FLAG_SKIP_PREPARE) != 0:
             starts = _states(base, seg_base + 2 * seg_states, num_seqs, num_v_heads)
             recurrence().launch(
