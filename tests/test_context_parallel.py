@@ -98,7 +98,7 @@ def _cfg(name):
                     A_log=S((w.heads,), jnp.float32))
 
 
-@pytest.mark.parametrize("name", ["h8_fixed64k", "h12_fixed8k"])
+@pytest.mark.parametrize("name", ["h8_fixed64k", "h12_fixed8k", "h32_fixed32k"])
 def test_planner_segments_calls_that_leave_most_sms_idle(name):
     plan = planner.plan_prefill(_cfg(name), num_sms=132)
     assert plan.num_segments > 1 and plan.segment_len % 16 == 0
