@@ -76,10 +76,11 @@ STEP_US_ALONE, STEP_US_SHARED = 0.66, 0.78
 COMBINE_NARROW_CTAS, COMBINE_NARROW_STEP_US = 16, 2.7
 COMBINE_WIDE_CTAS, COMBINE_WIDE_STEP_US = 8, 3.7
 SEGMENT_CHOICES = (2, 4, 8, 16, 32, 64)
-# Take segments only when the model predicts at most 91 % of the unsegmented recurrence time: the
-# model's time ratios matched the measured ones within 1 % on the sweeps (h32_fixed32k, 4 segments:
-# 0.902 predicted, 0.905 measured, 2238 -> 2119 us end to end), while its absolute times are 5 %
-# pessimistic; the margin covers the extra prepare work of the segment boundaries.
+# Take segments only when the model predicts less than 91 % of the unsegmented recurrence time. On
+# the h32_fixed32k sweep the model's ratios (segmented / whole) were 0.903, 0.925, 0.968 for 4, 8, 16
+# segments against 0.905, 0.911, 0.942 measured (4 segments: 2238 -> 2119 us end to end), while its
+# absolute times ran ~5 % high on both sides; the margin covers the extra prepare work at the
+# segment boundaries (3-15 us there).
 CP_MIN_GAIN = 0.91
 
 
@@ -170,7 +171,7 @@ def plan_prefill(cfg: PrefillConfig, *, num_sms: int = DEFAULT_NUM_SMS,
     if n < 1 or n > max(SEGMENT_CHOICES) or not segments_fit(cfg, n):
         raise ValueError(f"num_segments={n} is not possible for this call (1..{max(SEGMENT_CHOICES)}; "
                          f"workspace rows {segmented_workspace_rows(cfg, n)} < {MAX_WORKSPACE_ROWS}; "
-                         f"sequences x segments {cfg.num_seqs * n} <= {MAX_GRID_YZ})")
+                         f"sequences x segments {cfg.num_seqs * n} of at most {MAX_GRID_YZ})")
     return RecurrencePlan(
         chunk_size=KERNEL_CHUNK_SIZE,
         v_split=max(cfg.head_v // V_PER_CTA, 1),

@@ -99,7 +99,9 @@ def _cfg(name):
 
 
 @pytest.mark.parametrize("name", ["h8_fixed64k", "h12_fixed8k", "h32_fixed32k"])
-def test_planner_segments_calls_that_leave_most_sms_idle(name):
+def test_planner_segments_calls_that_leave_sms_idle(name):
+    # h32_fixed32k (64 CTAs on 132 SMs) is the narrowest: model ratio 0.903 against the 0.91 threshold;
+    # the H200 sweep measured 2119 us in 4 segments against 2238 whole.
     plan = planner.plan_prefill(_cfg(name), num_sms=132)
     assert plan.num_segments > 1 and plan.segment_len % 16 == 0
     assert plan.num_segments * plan.segment_len >= planner.longest_sequence(_cfg(name))
@@ -121,7 +123,7 @@ def test_planner_keeps_segments_within_the_grid_limit():
     # A segmented call's grid has one z block per (sequence, segment): at most 65535.
     cfg = dataclasses.replace(_cfg("h8_fixed64k"), batch=2000, num_seqs=2000, seqlen=64, num_v_heads=1, num_qk_heads=1)
     assert planner.plan_prefill(cfg, num_segments=32).num_segments == 32
-    with pytest.raises(ValueError, match="sequences x segments 128000 <= 65535"):
+    with pytest.raises(ValueError, match="sequences x segments 128000 of at most 65535"):
         planner.plan_prefill(cfg, num_segments=64)
 
 

@@ -29,7 +29,7 @@ Measured on the H200 (sweep_segments.py, combine kernel time per call):
 
 | variant | HV 8, 16 segments (64 / 128 CTAs) | HV 12, 8 segments (96 / 192) | HV 32, 4 segments (256 / 512) |
 |---|---|---|---|
-| M read from global inside the step, 16 columns | 108 us (6.8 per step) | 51 | |
+| M read from global inside the step, 16 columns | 108 us (7.2 per step) | 51 | |
 | ring, 16 columns | 55 (3.7 per step) | 28 (4.0) | 25 |
 | ring, 8 columns | 41 (2.7 per step) | 34 (4.9) | 33 |
 
