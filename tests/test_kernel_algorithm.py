@@ -189,3 +189,46 @@ def test_sequence_cursor_matches_binary_search():
                 valid = max(min(eos - tok0, 16), 0)
                 want_tok0, want_valid = _slot_chunk_by_search(cu, n_seqs, total, slot)
                 assert valid == want_valid and (valid == 0 or tok0 == want_tok0), (cu, slot)
+
+
+def test_item_stepping_matches_division():
+    """prepare_chunks' persistent CTAs step (slot, hv, hq) by num_ctas without dividing
+    (csrc/kernels/sm90/prepare_chunks.py, advance_item); same coordinates as item // HV."""
+    rng = np.random.default_rng()
+    for _ in range(300):
+        h_q = int(rng.integers(1, 9))
+        group = int(rng.choice([1, 1, 2, 3, 4, 8]))
+        hv_count = h_q * group
+        ctas = int(rng.integers(1, 800))
+        step_slot, step_hv = divmod(ctas, hv_count)
+        step_hq, step_r = divmod(step_hv, group)
+        first = int(rng.integers(0, ctas))
+        slot, hv = divmod(first, hv_count)
+        hq, r = divmod(hv, group)
+        for item in range(first, first + 40 * ctas, ctas):
+            assert (slot, hv, hq) == (item // hv_count, item % hv_count, (item % hv_count) // group)
+            slot, hv, hq, r = slot + step_slot, hv + step_hv, hq + step_hq, r + step_r
+            if r >= group:
+                r, hq = r - group, hq + 1
+            if hv >= hv_count:
+                hv, hq, slot = hv - hv_count, hq - h_q, slot + 1
+
+
+def test_transposed_butterfly_gives_each_lane_its_sum():
+    """prepare_chunks' l2-norm reduction (warp_sums_of_squares): 32 values per lane (16 q, 16 k
+    squares), 31 shuffles; lane l ends with the warp's total of value l."""
+    rng = np.random.default_rng()
+    q, k = rng.standard_normal((2, 32, 16))  # [lane, token]
+    lanes = np.arange(32)
+    upper = (lanes & 16) != 0
+    keep = np.where(upper[:, None], k * k, q * q)
+    send = np.where(upper[:, None], q * q, k * k)
+    vals = keep + send[lanes ^ 16]
+    for step in range(1, 5):
+        half = 16 >> step
+        upper = (lanes & half) != 0
+        keep = np.where(upper[:, None], vals[:, half:2 * half], vals[:, :half])
+        send = np.where(upper[:, None], vals[:, :half], vals[:, half:2 * half])
+        vals = keep + send[lanes ^ half]
+    want = np.concatenate([(q * q).sum(0), (k * k).sum(0)])
+    np.testing.assert_allclose(vals[:, 0], want, rtol=1e-12)

@@ -46,7 +46,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import LoadCacheMode, cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 CHUNK = 16
 HEAD_DIM = 128
@@ -127,22 +129,35 @@ def tf32_bits(x: Float32) -> Int32:
 
 
 @cute.jit
-def warp_sums_transposed(vals: cute.Tensor, lane: Int32) -> Float32:
-    """Sum each of a lane's 16 values over the warp; lanes 2 m and 2 m + 1 get the total of value m.
+def warp_sums_of_squares(q_r: cute.Tensor, k_r: cute.Tensor, lane: Int32) -> Float32:
+    """Sums over the warp of q_r[t]^2 and k_r[t]^2 (16 tokens each, one channel a lane): lane l
+    gets value l of the 32, q tokens 0..15 on lanes 0..15 and k tokens on lanes 16..31.
 
-    Each step halves the values a lane holds: partner lanes (xor 16, 8, 4, 2) split the halves,
-    each keeps one half and adds the partner's copy of it; a last xor-1 step completes the sums
-    (16 shuffles instead of 16 x 5)."""
-    for step in cutlass.range_constexpr(4):
-        half = 8 >> step
-        if (lane & (16 >> step)) != 0:
-            for m in cutlass.range_constexpr(half):
-                swap = vals[m]
-                vals[m] = vals[m + half]
-                vals[m + half] = swap
+    Transposed butterfly: at each step a lane keeps half of the values it holds (the half its
+    lane bit selects) and adds its partner's copy of that half (xor 16, 8, 4, 2, 1): 16 + 8 + 4 +
+    2 + 1 = 31 shuffles, whose first step has 16 independent ones (both tensors in one pass)."""
+    vals = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+    upper = (lane & 16) != 0
+    for m in cutlass.range_constexpr(CHUNK):
+        qq = q_r[m] * q_r[m]
+        kk = k_r[m] * k_r[m]
+        keep = qq
+        send = kk
+        if upper:
+            keep = kk
+            send = qq
+        vals[m] = keep + cute.arch.shuffle_sync_bfly(send, offset=16)
+    for step in cutlass.range_constexpr(1, 5):
+        half = 16 >> step
+        upper = (lane & half) != 0
         for m in cutlass.range_constexpr(half):
-            vals[m] = vals[m] + cute.arch.shuffle_sync_bfly(vals[m + half], offset=16 >> step)
-    return vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=1)
+            keep = vals[m]
+            send = vals[m + half]
+            if upper:
+                keep = vals[m + half]
+                send = vals[m]
+            vals[m] = keep + cute.arch.shuffle_sync_bfly(send, offset=half)
+    return vals[0]
 
 
 @cute.jit
@@ -158,18 +173,16 @@ def sequence_base(cu_seqlens: cute.Tensor, n: Int32, num_seqs: Int32, dense_len:
 
 
 @cute.jit
-def locate_item(item: Int32, items: Int32, cu_seqlens: cute.Tensor, num_seqs: Int32, dense_len: Int32,
-                total_tokens: Int32, num_v_heads: Int32, varlen: cutlass.Boolean,
+def locate_item(item: Int32, slot: Int32, items: Int32, cu_seqlens: cute.Tensor, num_seqs: Int32,
+                dense_len: Int32, total_tokens: Int32, varlen: cutlass.Boolean,
                 seq: Int32, bos: Int32, eos: Int32, next_base: Int32):
-    """(slot, hv, tok0, valid) of work item `item` = slot * HV + hv: the chunk's first token and
-    its number of tokens (0 for items past the end and for slots that belong to no chunk), plus the
-    updated cursor (seq, bos, eos, next_base = base(seq + 1)).
+    """(tok0, valid) of work item `item` = slot * HV + hv: the chunk's first token and its number
+    of tokens (0 for items past the end and for slots that belong to no chunk), plus the updated
+    cursor (seq, bos, eos, next_base = base(seq + 1)).
 
     A CTA's items come in increasing slot order, so the owning sequence (the largest n with
     base(n) <= slot) never moves back: the cursor answers most items with no memory access, and
     a binary search over the later sequences runs only when the slot passes base(seq + 1)."""
-    slot = item // num_v_heads
-    hv = item - slot * num_v_heads
     tok0 = Int32(0)
     valid = Int32(0)
     if item < items:
@@ -189,7 +202,26 @@ def locate_item(item: Int32, items: Int32, cu_seqlens: cute.Tensor, num_seqs: In
         chunk = slot - (bos // CHUNK + seq)
         tok0 = bos + chunk * CHUNK
         valid = cutlass.max(cutlass.min(eos - tok0, CHUNK), 0)
-    return slot, hv, tok0, valid, seq, bos, eos, next_base
+    return tok0, valid, seq, bos, eos, next_base
+
+
+@cute.jit
+def advance_item(slot: Int32, hv: Int32, hq: Int32, r: Int32, step_slot: Int32, step_hv: Int32,
+                 step_hq: Int32, step_r: Int32, group: Int32, num_v_heads: Int32, num_q_heads: Int32):
+    """(slot, hv, hq, r) of item + num_ctas from those of item (hv = hq * group + r, r < group),
+    with the steps of num_ctas precomputed: no integer division in the item loop."""
+    slot = slot + step_slot
+    hv = hv + step_hv
+    hq = hq + step_hq
+    r = r + step_r
+    if r >= group:
+        r = r - group
+        hq = hq + 1
+    if hv >= num_v_heads:
+        hv = hv - num_v_heads
+        hq = hq - num_q_heads
+        slot = slot + 1
+    return slot, hv, hq, r
 
 
 @cute.jit
@@ -210,21 +242,40 @@ def issue_input_loads(load_atom: cute.CopyAtom, s_stage: cute.Tensor, q: cute.Te
                       cute.local_tile(s_stage[tile, row, None], (8,), (col,)))
 
 
+@dsl_user_op
+def opaque(x, *, loc=None, ip=None):
+    """x (Float32 or BFloat16) through an inline-asm move that the compiler cannot look through.
+    A value loaded for the next item and converted only after that item's barrier would otherwise
+    have its conversion folded back into the loop-carried value, right behind the load, where the
+    warp waits for the load before the barrier."""
+    value = x.ir_value(loc=loc, ip=ip)
+    if x.dtype == Float32:
+        return Float32(llvm.inline_asm(T.f32(), [value], "mov.b32 $0, $1;", "=f,f", has_side_effects=True,
+                                       is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                       loc=loc, ip=ip))
+    bits = arith.bitcast(T.i16(), value, loc=loc, ip=ip)
+    bits = llvm.inline_asm(T.i16(), [bits], "mov.b16 $0, $1;", "=h,h", has_side_effects=True,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return x.dtype(arith.bitcast(x.dtype.mlir_type, bits, loc=loc, ip=ip))
+
+
 @cute.jit
 def load_head_scalars(beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, tok0: Int32,
                       valid: Int32, hv: Int32, d: Int32, gate_mode: Int32):
-    """Thread d's raw beta of token d (d < 16), exp(A_log) and dt_bias[hv, d] for one item."""
-    b = Float32(0.0)
-    a_exp = Float32(1.0)
+    """Thread d's raw beta of token d (d < 16, bf16), A_log[hv] and dt_bias[hv, d] for one item,
+    as loaded: they are first used after the item's CTA barrier, so the loads (issued one item
+    ahead) are never waited for."""
+    b = cutlass.BFloat16(0.0)
+    a_log_hv = Float32(0.0)
     bias = Float32(0.0)
     if valid > 0:
         if d < valid:
-            b = beta[tok0 + d, hv].to(Float32)
+            b = beta[tok0 + d, hv]
         if gate_mode == 1 or gate_mode == 2:
-            a_exp = cute.math.exp(a_log[hv])
+            a_log_hv = a_log[hv]
         if gate_mode != 0:
             bias = dt_bias[hv, d]
-    return b, a_exp, bias
+    return b, a_log_hv, bias
 
 
 @cute.kernel
@@ -289,41 +340,53 @@ def prepare_chunks_kernel(
     load_atom = cute.make_copy_atom(cpasync.CopyG2SOp(LoadCacheMode.GLOBAL), cutlass.BFloat16,
                                     num_bits_per_copy=128)
 
+    # Item coordinates: item = slot * HV + hv, hv = hq * group + r (hq: the q/k head). A CTA's
+    # items step by num_ctas; the step is split the same way once, here.
+    step_slot = num_ctas // num_v_heads
+    step_hv = num_ctas - step_slot * num_v_heads
+    step_hq = step_hv // group
+    step_r = step_hv - step_hq * group
+    slot = first_item // num_v_heads
+    hv = first_item - slot * num_v_heads
+    hq = hv // group
+    r = hv - hq * group
+
     # Prologue: the sequence cursor at sequence 0, the first item's inputs into stage 0.
     seq = Int32(0)
     bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, varlen)
     next_base = sequence_base(cu_seqlens, seq + 1, num_seqs, dense_len, total_tokens, varlen)
     item = first_item
-    slot, hv, tok0, valid, seq, bos, eos, next_base = locate_item(
-        item, items, cu_seqlens, num_seqs, dense_len, total_tokens, num_v_heads, varlen,
-        seq, bos, eos, next_base)
-    issue_input_loads(load_atom, s_in[0, None, None, None], q, k, g, v, tok0, valid, hv // group, hv, d)
+    tok0, valid, seq, bos, eos, next_base = locate_item(
+        item, slot, items, cu_seqlens, num_seqs, dense_len, total_tokens, varlen, seq, bos, eos, next_base)
+    issue_input_loads(load_atom, s_in[0, None, None, None], q, k, g, v, tok0, valid, hq, hv, d)
     cute.arch.cp_async_commit_group()
-    beta_raw, a_exp, bias = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, gate_mode)
+    beta_raw, a_log_hv, bias = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, gate_mode)
     stage = Int32(0)
     while item < items:
         # Prefetch the next item into the other stage. Its previous contents (the item before
         # this one) were last read before that item's final CTA barrier.
         next_item = item + num_ctas
-        n_slot, n_hv, n_tok0, n_valid, seq, bos, eos, next_base = locate_item(
-            next_item, items, cu_seqlens, num_seqs, dense_len, total_tokens, num_v_heads, varlen,
+        n_slot, n_hv, n_hq, n_r = advance_item(slot, hv, hq, r, step_slot, step_hv, step_hq, step_r,
+                                               group, num_v_heads, num_q_heads)
+        n_tok0, n_valid, seq, bos, eos, next_base = locate_item(
+            next_item, n_slot, items, cu_seqlens, num_seqs, dense_len, total_tokens, varlen,
             seq, bos, eos, next_base)
         issue_input_loads(load_atom, s_in[1 - stage, None, None, None], q, k, g, v, n_tok0, n_valid,
-                          n_hv // group, n_hv, d)
+                          n_hq, n_hv, d)
         cute.arch.cp_async_commit_group()
-        n_beta_raw, n_a_exp, n_bias = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid, n_hv, d,
-                                                        gate_mode)
+        n_beta_raw, n_a_log_hv, n_bias = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid, n_hv,
+                                                           d, gate_mode)
         cute.arch.cp_async_wait_group(1)   # this thread's copies of the current item have landed
         cute.arch.sync_threads()           # ... and everyone else's
         if valid > 0:
             prepare_one(s_in[stage, None, None, None], s_fac, s_fac_bits, s_op, s_op_bits, s_lower,
                         s_w_bits, s_beta, s_norm, s_rnorm, s_fast,
                         neg_kw_out, qd_out, kr_out, mqk_out, vw_out, decay_out,
-                        slot, hv, valid, beta_raw, a_exp, bias, num_v_heads, d, warp, lane,
+                        slot, hv, valid, beta_raw, a_log_hv, bias, num_v_heads, d, warp, lane,
                         flags, gate_mode, scale, lower_bound)
         item = next_item
-        slot, hv, tok0, valid = n_slot, n_hv, n_tok0, n_valid
-        beta_raw, a_exp, bias = n_beta_raw, n_a_exp, n_bias
+        slot, hv, hq, r, tok0, valid = n_slot, n_hv, n_hq, n_r, n_tok0, n_valid
+        beta_raw, a_log_hv, bias = n_beta_raw, n_a_log_hv, n_bias
         stage = 1 - stage
     cute.arch.cp_async_wait_group(0)
 
@@ -334,7 +397,8 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
                 s_norm: cute.Tensor, s_rnorm: cute.Tensor, s_fast: cute.Tensor,
                 neg_kw_out: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
                 vw_out: cute.Tensor, decay_out: cute.Tensor,
-                slot: Int32, hv: Int32, valid: Int32, beta_raw: Float32, a_exp: Float32, bias: Float32,
+                slot: Int32, hv: Int32, valid: Int32, beta_raw: cutlass.BFloat16, a_log_hv: Float32,
+                bias: Float32,
                 num_v_heads: Int32, d: Int32, warp: Int32, lane: Int32, flags: Int32, gate_mode: Int32,
                 scale: Float32, lower_bound: Float32):
     """All five phases for one item whose raw tiles are in `s_stage` (CTA-uniform call)."""
@@ -345,6 +409,10 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
     v_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     cum = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     kd_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+
+    a_exp = Float32(1.0)
+    if gate_mode == 1 or gate_mode == 2:
+        a_exp = cute.math.exp(opaque(a_log_hv))
 
     # ---- Phase 1: gate, cumsum, l2-norm partial sums, fast-path vote; inputs from the stage
     # (rows past the last valid token hold copies of it and are zeroed below: zero inputs,
@@ -383,7 +451,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
                 k_r[i] = Float32(0.0)
                 cum[i] = Float32(0.0)
     if d < CHUNK:
-        b = beta_raw
+        b = opaque(beta_raw).to(Float32)
         if d < valid and (flags & FLAG_BETA_SIGMOID) != 0:
             b = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
         s_beta[d] = b
@@ -395,16 +463,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
 
     l2norm = (flags & FLAG_QK_L2NORM) != 0
     if l2norm:
-        squares = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-        for i in cutlass.range_constexpr(CHUNK):
-            squares[i] = q_r[i] * q_r[i]
-        q_sum = warp_sums_transposed(squares, lane)
-        for i in cutlass.range_constexpr(CHUNK):
-            squares[i] = k_r[i] * k_r[i]
-        k_sum = warp_sums_transposed(squares, lane)
-        if lane % 2 == 0:
-            s_norm[warp, lane // 2] = q_sum
-            s_norm[warp, CHUNK + lane // 2] = k_sum
+        s_norm[warp, lane] = warp_sums_of_squares(q_r, k_r, lane)
 
     # Whole-CTA vote: factorized pair products are safe iff every channel's chunk decay
     # stays within FAST_PATH_RANGE.
