@@ -99,7 +99,9 @@ def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tenso
         prepare_chunks.prepare_chunks_kernel(
             q, k, v, g, beta, a_log, dt_bias, cu_seqlens, neg_kw, qd, kr, mqk, vw, decay,
             num_seqs, dense_len, flags, scale, lower_bound,
-        ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream)
+        ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream,
+                 # All of shared memory: the persistent grid assumes CTAS_PER_SM fit at once.
+                 preferred_smem_carveout=100)
     if num_seqs * num_v_heads > 0:
         # Segmented calls (num_seqs counts segments): per-segment B and M, then start states, after
         # the six regions above.

@@ -48,6 +48,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import LoadCacheMode, cpasync
+from cutlass.experimental.primitives.nvvm_wrapper import MMALayout, ldmatrix
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 CHUNK = 16
@@ -85,23 +86,29 @@ SEGMENTS_SHIFT = 16  # bits 16..23: S, segments per sequence, in SUMMARY and SKI
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g, v tiles (cp.async, 16 bytes per copy) while it works on the current
-# one. Measured on the H200 (96 heads x 8K): 3 CTAs per SM with v staged 761 us; 4 CTAs per SM
-# with v read from global memory in phase 3 (the stages then fit four times) 847 us.
-CTAS_PER_SM = 3       # what shared memory allows (3 x 61.6 KB); registers would allow 4
+# one. Measured on the H200 (96 heads x 8K, prepare alone): 3 CTAs per SM 673 us; 4 CTAs per SM
+# (one factor tile and one operand tile moved into the item's stage to fit) 639 us.
+CTAS_PER_SM = 4       # what shared memory (4 x 52.9 KB) and registers (128 a thread) allow
 INPUT_TILES = 4       # q, k, g, v
 INPUT_STAGES = 2
 INPUT_STAGES_BYTES = INPUT_STAGES * INPUT_TILES * CHUNK * HEAD_DIM * 2   # 32 768
 COPIES_PER_THREAD = INPUT_TILES * CHUNK * HEAD_DIM // 8 // THREADS      # 8 x 16 bytes
 
-FACTOR_TILES_BYTES = 3 * CHUNK * FACTOR_PITCH * 4      # k/q/k factors: 3 x 16 x 132 x 4 = 25 344
-OPERAND_TILES_BYTES = 2 * HEAD_DIM * OPERAND_PITCH * 4  # k 2^G, v: 2 x 128 x 20 x 4 = 20 480 (aliases the above)
-assert OPERAND_TILES_BYTES <= FACTOR_TILES_BYTES
+# Phases 2-3 use three factor tiles [16 tokens, 128 channels] fp32 (rows of FACTOR_PITCH words),
+# phases 4-5 two operand tiles [128 channels, 16 tokens] fp32 (rows of OPERAND_PITCH words). Two
+# factor tiles, then the first operand tile, live in the CTA's own region; the third factor tile,
+# then the second operand tile, in the current input stage, over its q, k, g tiles (dead once
+# phase 1 has read them; the stage's v tile, read in phase 3, lies after them).
+FACTOR_TILE_BYTES = CHUNK * FACTOR_PITCH * 4      # 8 448
+OPERAND_TILE_BYTES = HEAD_DIM * OPERAND_PITCH * 4  # 10 240
+FACTOR_TILES_BYTES = 2 * FACTOR_TILE_BYTES         # the CTA's own region: 16 896
+assert OPERAND_TILE_BYTES <= FACTOR_TILES_BYTES
+assert max(FACTOR_TILE_BYTES, OPERAND_TILE_BYTES) <= 3 * CHUNK * HEAD_DIM * 2  # stage q, k, g
 
 
 def shared_memory_bytes() -> int:
-    """Shared memory of one CTA: the two input stages, the factor tiles (reused for the
-    W-application operands), L [16, 17], W [16, 20], beta, the l2-norm partial sums and norms,
-    the fast-path vote."""
+    """Shared memory of one CTA: the two input stages, two factor tiles (reused for an operand
+    tile), L [16, 17], W [16, 20], beta, the l2-norm partial sums and norms, the fast-path vote."""
     return (INPUT_STAGES_BYTES + FACTOR_TILES_BYTES + CHUNK * (CHUNK + 1) * 4 + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4
             + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4)
 
@@ -260,6 +267,19 @@ def opaque(x, *, loc=None, ip=None):
 
 
 @cute.jit
+def load_fragments(tile: cute.Tensor, row: Int32, col: Int32, frag: cute.Tensor, first: cutlass.Constexpr):
+    """frag[first .. first + 3] = one ldmatrix.x4 of 32-bit `tile` elements (a [rows, words] smem
+    tensor, rows 16-byte aligned): lane L passes the address of its row `row`, column `col`, and
+    gets word t = L % 4 of row L / 4 of the four 8 x 4 matrices whose rows lanes 0-7, 8-15,
+    16-23, 24-31 addressed. The callers pick row and col so that the matrices are the TF32 MMA
+    fragment's values (m16n8k8: A values (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4); B values
+    (g, t), (g, t + 4), ... in 4-word steps of k), one instruction instead of four shared loads."""
+    regs = ldmatrix((tile.iterator + cute.crd2idx((row, col), tile.layout)).llvm_ptr, 4, MMALayout.ROW)
+    for j in cutlass.range_constexpr(4):
+        frag[first + j] = regs[j]
+
+
+@cute.jit
 def load_head_scalars(beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, tok0: Int32,
                       valid: Int32, hv: Int32, d: Int32, gate_mode: Int32):
     """Thread d's raw beta of token d (d < 16, bf16), A_log[hv] and dt_bias[hv, d] for one item,
@@ -319,16 +339,12 @@ def prepare_chunks_kernel(
         cutlass.BFloat16,
         cute.make_layout((INPUT_STAGES, INPUT_TILES, CHUNK, HEAD_DIM),
                          stride=(INPUT_TILES * CHUNK * HEAD_DIM, CHUNK * HEAD_DIM, HEAD_DIM, 1)), 16)
-    # Factor tiles, [0] k (or k 2^(G-ref)), [1] q (or q 2^(G-ref)), [2] G (or k 2^(ref-G)):
-    # 3 x 16 x 132 x 4 B = 25 344 B. The fast path stores TF32 bits, the slow path floats.
+    # Factor tiles [0] k (or k 2^(G-ref)), [1] q (or q 2^(G-ref)): 2 x 16 x 132 x 4 B = 16 896 B
+    # (the third, G or k 2^(ref-G), is in the item's input stage: prepare_one). The fast path
+    # stores TF32 bits, the slow path floats. After phase 3 the same bytes hold the operand tile
+    # k 2^G (TF32 bits), token-contiguous per channel: 128 x 20 x 4 B = 10 240 B.
     s_fac = smem.allocate_tensor(
-        Float32, cute.make_layout((3, CHUNK, HEAD_DIM), stride=(CHUNK * FACTOR_PITCH, FACTOR_PITCH, 1)), 16)
-    s_fac_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), s_fac.layout)
-    # After phase 3 the same bytes hold [0] k 2^G (TF32 bits), [1] v, token-contiguous per channel:
-    # 2 x 128 x 20 x 4 B = 20 480 B.
-    op_layout = cute.make_layout((2, HEAD_DIM, CHUNK), stride=(HEAD_DIM * OPERAND_PITCH, OPERAND_PITCH, 1))
-    s_op = cute.make_tensor(s_fac.iterator, op_layout)
-    s_op_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), op_layout)
+        Float32, cute.make_layout((2, CHUNK, HEAD_DIM), stride=(CHUNK * FACTOR_PITCH, FACTOR_PITCH, 1)), 16)
     s_lower = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK), stride=(CHUNK + 1, 1)), 16)  # 1 088 B
     s_w_bits = smem.allocate_tensor(Int32, cute.make_layout((CHUNK, CHUNK), stride=(OPERAND_PITCH, 1)), 16)  # 1 280 B
     s_beta = smem.allocate_tensor(Float32, cute.make_layout(CHUNK), 16)                                # 64 B
@@ -363,8 +379,10 @@ def prepare_chunks_kernel(
     beta_raw, a_log_hv, bias = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, gate_mode)
     stage = Int32(0)
     while item < items:
-        # Prefetch the next item into the other stage. Its previous contents (the item before
-        # this one) were last read before that item's final CTA barrier.
+        cute.arch.cp_async_wait_group(0)   # this thread's copies of the current item have landed
+        cute.arch.sync_threads()           # ... and everyone else's; and the item before is done
+        # Prefetch the next item into the other stage, after the barrier: the item before this
+        # one used that stage up to its very end (its second operand tile is there).
         next_item = item + num_ctas
         n_slot, n_hv, n_hq, n_r = advance_item(slot, hv, hq, r, step_slot, step_hv, step_hq, step_r,
                                                group, num_v_heads, num_q_heads)
@@ -376,10 +394,8 @@ def prepare_chunks_kernel(
         cute.arch.cp_async_commit_group()
         n_beta_raw, n_a_log_hv, n_bias = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid, n_hv,
                                                            d, gate_mode)
-        cute.arch.cp_async_wait_group(1)   # this thread's copies of the current item have landed
-        cute.arch.sync_threads()           # ... and everyone else's
         if valid > 0:
-            prepare_one(s_in[stage, None, None, None], s_fac, s_fac_bits, s_op, s_op_bits, s_lower,
+            prepare_one(s_in[stage, None, None, None], s_fac, s_lower,
                         s_w_bits, s_beta, s_norm, s_rnorm, s_fast,
                         neg_kw_out, qd_out, kr_out, mqk_out, vw_out, decay_out,
                         slot, hv, valid, beta_raw, a_log_hv, bias, num_v_heads, d, warp, lane,
@@ -392,8 +408,8 @@ def prepare_chunks_kernel(
 
 
 @cute.jit
-def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tensor, s_op: cute.Tensor,
-                s_op_bits: cute.Tensor, s_lower: cute.Tensor, s_w_bits: cute.Tensor, s_beta: cute.Tensor,
+def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, s_w_bits: cute.Tensor,
+                s_beta: cute.Tensor,
                 s_norm: cute.Tensor, s_rnorm: cute.Tensor, s_fast: cute.Tensor,
                 neg_kw_out: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
                 vw_out: cute.Tensor, decay_out: cute.Tensor,
@@ -403,6 +419,16 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
                 scale: Float32, lower_bound: Float32):
     """All five phases for one item whose raw tiles are in `s_stage` (CTA-uniform call)."""
     row0 = (slot * num_v_heads + hv) * CHUNK
+    # Shared tiles (see FACTOR_TILES_BYTES): factor tiles 0, 1 and then operand tile 0 in s_fac;
+    # factor tile 2 and then operand tile 1 at the start of the stage, over its raw q, k, g.
+    s_fac_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), s_fac.layout)
+    stage_f32 = cute.recast_ptr(s_stage.iterator, dtype=Float32)
+    s_fac2 = cute.make_tensor(stage_f32, cute.make_layout((CHUNK, HEAD_DIM), stride=(FACTOR_PITCH, 1)))
+    s_fac2_bits = cute.make_tensor(cute.recast_ptr(stage_f32, dtype=Int32), s_fac2.layout)
+    op_layout = cute.make_layout((HEAD_DIM, CHUNK), stride=(OPERAND_PITCH, 1))
+    s_kd_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), op_layout)
+    s_v = cute.make_tensor(stage_f32, op_layout)
+    s_v_bits = cute.make_tensor(cute.recast_ptr(stage_f32, dtype=Int32), op_layout)
 
     q_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     k_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
@@ -500,7 +526,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
             # error budget's large terms).
             s_fac[0, i, d] = left
             s_fac[1, i, d] = query
-            s_fac[2, i, d] = right
+            s_fac2[i, d] = right
             qd_out[row0 + i, d] = (query * q_scale).to(cutlass.BFloat16)
             kr_out[row0 + i, d] = (right * ref_scale).to(cutlass.BFloat16)
             kd_r[i] = left * ref_scale
@@ -508,7 +534,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
         for i in cutlass.range_constexpr(CHUNK):
             s_fac[0, i, d] = k_r[i]
             s_fac[1, i, d] = q_r[i]
-            s_fac[2, i, d] = cum[i]
+            s_fac2[i, d] = cum[i]
             decay_i = cute.math.exp2(cum[i], fastmath=True)
             qd_out[row0 + i, d] = (scale * q_r[i] * decay_i).to(cutlass.BFloat16)
             kr_out[row0 + i, d] = (k_r[i] * cute.math.exp2(g_last - cum[i], fastmath=True)).to(cutlass.BFloat16)
@@ -532,19 +558,21 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
         # Warp w: rows of factor tile w // 2 (k or q) against columns 8 (w % 2) .. + 7.
         product = warp // 2
         col0 = (warp % 2) * 8
-        crd_a = thr.partition_A(cute.make_identity_tensor((CHUNK, MMA_K)))
-        crd_b = thr.partition_B(cute.make_identity_tensor((8, MMA_K)))
         frag_a = thr.make_fragment_A(thr.partition_shape_A((CHUNK, MMA_K)))
         frag_b = thr.make_fragment_B(thr.partition_shape_B((8, MMA_K)))
+        b_pair = cute.make_rmem_tensor(cute.make_layout(4), Int32)  # B values of two k blocks
         acc = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
         acc.fill(0.0)
+        a_tile = s_fac_bits[product, None, None]
+        b_tile = s_fac2_bits
         for kb in cutlass.range_constexpr(HEAD_DIM // MMA_K):
-            for e in cutlass.range_constexpr(cute.size(frag_a)):
-                m, kk = crd_a[e]
-                frag_a[e] = s_fac_bits[product, m, kb * MMA_K + kk]
-            for e in cutlass.range_constexpr(cute.size(frag_b)):
-                n, kk = crd_b[e]
-                frag_b[e] = s_fac_bits[2, col0 + n, kb * MMA_K + kk]
+            # A: lanes 0-15 rows 0-15 at k + 0, lanes 16-31 the same rows at k + 4. B (every
+            # other block, for two blocks): lanes 8 j .. 8 j + 7 rows col0 .. col0 + 7 at k + 4 j.
+            load_fragments(a_tile, lane % 16, kb * MMA_K + (lane // 16) * 4, frag_a, 0)
+            if kb % 2 == 0:
+                load_fragments(b_tile, col0 + lane % 8, kb * MMA_K + (lane // 8) * 4, b_pair, 0)
+            frag_b[0] = b_pair[(kb % 2) * 2]
+            frag_b[1] = b_pair[(kb % 2) * 2 + 1]
             cute.gemm(mma, acc, frag_a, frag_b, acc)
         # Entries above the diagonal can overflow (factors up to 2^100 each): select, never scale.
         if product == 0:
@@ -565,7 +593,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
                 mqk_out[row0 + i, j] = m_ij.to(cutlass.BFloat16)
     else:
         # Exact element-wise decays on CUDA cores: thread (i, j0) computes rows i, columns
-        # j0 and j0 + 8; s_fac holds k, q and G.
+        # j0 and j0 + 8; s_fac holds k and q, s_fac2 G.
         pi = d // 8
         for half in cutlass.range_constexpr(2):
             pj = d % 8 + half * 8
@@ -573,7 +601,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
             acc_qk = Float32(0.0)
             if pj <= pi:
                 for e in cutlass.range(HEAD_DIM, unroll=8):
-                    r = s_fac[0, pj, e] * cute.math.exp2(s_fac[2, pi, e] - s_fac[2, pj, e], fastmath=True)
+                    r = s_fac[0, pj, e] * cute.math.exp2(s_fac2[pi, e] - s_fac2[pj, e], fastmath=True)
                     acc_kk = acc_kk + s_fac[0, pi, e] * r
                     acc_qk = acc_qk + s_fac[1, pi, e] * r
             lower = Float32(0.0)
@@ -588,8 +616,8 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
     kd_bits = cute.make_rmem_tensor(cute.make_layout(CHUNK), Int32)
     for i in cutlass.range_constexpr(CHUNK):
         kd_bits[i] = tf32_bits(kd_r[i])
-    cute.autovec_copy(kd_bits, s_op_bits[0, d, None])
-    cute.autovec_copy(v_r, s_op[1, d, None])
+    cute.autovec_copy(kd_bits, s_kd_bits[d, None])
+    cute.autovec_copy(v_r, s_v[d, None])
     if d < CHUNK:
         # Right-looking: once col[j] is final, it updates every later col[i]. Each col[i] still
         # subtracts its terms in increasing j (the same float operations, bit for bit, as the
@@ -607,22 +635,18 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_fac_bits: cute.Tenso
     cute.arch.sync_threads()
 
     # ---- Phase 5: neg_kw = -W (k 2^G), vw = W v; warp w owns channels 32 w .. 32 w + 31.
-    crd_w = thr.partition_A(cute.make_identity_tensor((CHUNK, CHUNK)))
-    crd_kv = thr.partition_B(cute.make_identity_tensor((8, CHUNK)))
     frag_w = thr.make_fragment_A(thr.partition_shape_A((CHUNK, CHUNK)))
     frag_kd = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
     frag_v = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
     acc_kd = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
     acc_v = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
-    for e in cutlass.range_constexpr(cute.size(frag_w)):
-        m, kk = crd_w[e]
-        frag_w[e] = s_w_bits[m, kk]
+    for kb in cutlass.range_constexpr(CHUNK // MMA_K):
+        load_fragments(s_w_bits, lane % 16, kb * MMA_K + (lane // 16) * 4, frag_w, 4 * kb)
     for nt in cutlass.range_constexpr(32 // 8):
         ch0 = warp * 32 + nt * 8
-        for e in cutlass.range_constexpr(cute.size(frag_kd)):
-            n, kk = crd_kv[e]
-            frag_kd[e] = s_op_bits[0, ch0 + n, kk]
-            frag_v[e] = s_op_bits[1, ch0 + n, kk]
+        # Lanes 8 j .. 8 j + 7: channels ch0 .. ch0 + 7 at tokens 4 j .. 4 j + 3.
+        load_fragments(s_kd_bits, ch0 + lane % 8, (lane // 8) * 4, frag_kd, 0)
+        load_fragments(s_v_bits, ch0 + lane % 8, (lane // 8) * 4, frag_v, 0)
         acc_kd.fill(0.0)
         acc_v.fill(0.0)
         cute.gemm(mma, acc_kd, frag_w, frag_kd, acc_kd)
