@@ -33,7 +33,8 @@ Phases per item (four CTA barriers, after the one that publishes the item's stag
     2  l2 norms; factor tiles into smem; qd, kr to global                          -> barrier
     3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2) -> barrier
     4  warp 0: forward substitution for W; every thread: its channel of k 2^G and v as
-       token-contiguous rows (over the factor tiles, now free)                   -> barrier
+       token-contiguous rows (k 2^G over factor tiles 0-1, v over factor tile 2 in the
+       stage, both dead after phase 3)                                           -> barrier
     5  W application: warp w computes channels 32 w .. 32 w + 31 of neg_kw and vw
 
 Chunk slots: sequence n (tokens [bos_n, eos_n)) owns slots base(n) + c for its chunks c, with
@@ -88,7 +89,7 @@ SEGMENTS_SHIFT = 16  # bits 16..23: S, segments per sequence, in SUMMARY and SKI
 # the next item's raw q, k, g, v tiles (cp.async, 16 bytes per copy) while it works on the current
 # one. Measured on the H200 (96 heads x 8K, prepare alone): 3 CTAs per SM 673 us; 4 CTAs per SM
 # (one factor tile and one operand tile moved into the item's stage to fit) 639 us.
-CTAS_PER_SM = 4       # what shared memory (4 x 52.9 KB) and registers (128 a thread) allow
+CTAS_PER_SM = 4       # what shared memory (4 x 53.1 KB) and registers (128 a thread) allow
 INPUT_TILES = 4       # q, k, g, v
 INPUT_STAGES = 2
 INPUT_STAGES_BYTES = INPUT_STAGES * INPUT_TILES * CHUNK * HEAD_DIM * 2   # 32 768
