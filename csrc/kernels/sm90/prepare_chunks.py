@@ -49,6 +49,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import LoadCacheMode, cpasync
+# ldmatrix with a raw shared-memory pointer: `cutlass.experimental` in nvidia-cutlass-dsl 4.8.1, the
+# version pyproject.toml pins (an experimental API may move in later releases).
 from cutlass.experimental.primitives.nvvm_wrapper import MMALayout, ldmatrix
 from cutlass.cutlass_dsl import T, dsl_user_op
 
