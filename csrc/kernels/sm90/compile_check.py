@@ -71,7 +71,7 @@ def ptxas_usage(ptx_path):
         m = re.search(r"Used (\d+) registers", line)
         if m and current:
             usage.setdefault(current, [0, 0, 0])[0] = int(m.group(1))
-        if "C7517" in line or "serialized" in line:
+        if "C7517" in line or "C7519" in line or "serialized" in line:
             print("ptxas:", line.strip())
     return usage
 
