@@ -44,8 +44,8 @@ class RecurrencePlan:
 
 
 # Bytes per (16-token chunk slot, value head) the SM90 prepare kernel hands to the recurrence:
-# neg_kw, qd, kr (bf16 16x128 each), vw (fp32 16x128), mqk (bf16 16x16), decay (fp32 128).
-WORKSPACE_BYTES_PER_SLOT = 3 * 4096 + 8192 + 512 + 512
+# neg_kw, qd, kr, v (bf16 16x128 each), mqk, w_hi, w_lo (bf16 16x16 each), decay (fp32 128).
+WORKSPACE_BYTES_PER_SLOT = 4 * 4096 + 4 * 512
 # The kernels index the workspace regions with 32-bit element offsets: slots * HV < 2**20.
 MAX_WORKSPACE_ROWS = 1 << 20
 # The recurrence's grid is [V slices, HV, N]: CUDA allows at most 65535 blocks along y and z.
@@ -64,7 +64,7 @@ def workspace_rows(cfg: PrefillConfig) -> int:
 
 
 # The recurrence wave model (measured on the H200, ncu): a 16-token chunk step takes ~0.66 us with
-# one CTA per SM and ~0.78 us with two (75 KB of shared memory each: at most two fit). The combine
+# one CTA per SM and ~0.78 us with two (~70-75 KB of shared memory each: at most two fit). The combine
 # between the passes (csrc/kernels/sm90/combine_segments.py) is serial over segments, one step per
 # segment boundary, an fp32 [128 x 128] x [128 x block] product per CTA. Its launcher takes 8-column
 # blocks (16 CTAs per sequence and value head) when those fit at one CTA per SM, else 16-column

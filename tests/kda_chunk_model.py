@@ -14,7 +14,9 @@ Conventions (all inside one sequence, one value head):
             [2^-(range/2), 2^(range/2)] and neither overflows nor underflows
   slow path otherwise: 2^(G_i - G_j) evaluated element-wise for i >= j (exponent <= 0), fp32
   TF32 operands (prepare_chunks' mma.sync m16n8k8): the fast path's three factor tiles, and on both
-            paths W and k 2^G; v is bf16, exact in TF32; all products accumulate in fp32
+            paths W and k 2^G for neg_kw; all products accumulate in fp32
+  U = W v in the recurrence: W (fp32 from the forward substitution) as two bf16 halves
+            hi = bf16(W), lo = bf16(W - hi), v exact in bf16
 """
 
 from __future__ import annotations
@@ -122,9 +124,13 @@ def prepare_chunk(q, k, v, g2, beta, scale):
         for j in range(i):
             row -= lower[i, j] * inv[j]
         inv[i] = row
-    w = tf32_round(inv * beta[None, :])
+    w32 = (inv * beta[None, :]).astype(np.float32)
+    w = tf32_round(w32)
     neg_kw = -(w @ tf32_round(k_dec))
-    vw = w @ v
+    # The recurrence's U = W v: W as two bf16 halves (hi + lo), v exact in bf16, fp32 accumulate.
+    w_hi = bf16_round(w32)
+    w_lo = bf16_round(w32 - w_hi)
+    vw = (w_hi @ v).astype(np.float32) + (w_lo @ v).astype(np.float32)
     mqk = np.where(np.tril(np.ones((CHUNK, CHUNK), bool)), scale * m_qk, 0.0)
     return dict(
         neg_kw=bf16_round(neg_kw), qd=bf16_round(qd), kr=bf16_round(kr),

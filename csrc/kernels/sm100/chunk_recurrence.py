@@ -13,7 +13,8 @@ Per chunk, warp w owns rows v = 16 w .. 16 w + 15 of the transposed state S^T [6
 
     S_bf   = bf16(S^T)                       A operand: accumulator n-tiles 2j, 2j+1 = k-block j
     S^T   *= decay (per column k)
-    U^T    = Vw^T + S_bf neg_kw^T            8 k-blocks x 2 n-tiles
+    U^T    = v^T (W_hi + W_lo)^T             1 k-block x 2 n-tiles, twice (A = v by ldmatrix.trans)
+    U^T   += S_bf neg_kw^T                   8 k-blocks x 2 n-tiles
     O^T    = S_bf qd^T                       8 k-blocks x 2 n-tiles
     U_hi   = bf16(U^T), U_lo = bf16(U^T - U_hi)   A operands (one k-block of 16 tokens each)
     O^T   += U_hi mqk^T + U_lo mqk^T         2 n-tiles, twice
@@ -38,8 +39,8 @@ from sm90.chunk_recurrence import (
     ChunkRecurrence,
     _to_operand,
     _to_operand_split,
+    SLICES,
     decay_state,
-    load_values,
     load_state,
     store_output,
     store_state,
@@ -58,11 +59,12 @@ class ChunkRecurrenceMma(ChunkRecurrence):
         tiled = cute.make_tiled_mma(op, (MMA_WARPS, 1, 1), permutation_mnk=(V_SLICE, 16, 16))
         self.mma_tok = tiled
         self.mma_state = tiled
+        self.mma_vw = tiled
 
     @cute.jit
-    def consume(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, loads, s_kw: cute.Tensor,
-                s_qd: cute.Tensor, s_kr: cute.Tensor, s_mqk: cute.Tensor, s_vw: cute.Tensor,
-                s_dec: cute.Tensor, s_out: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
+    def consume(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mma_vw: cute.TiledMma, loads,
+                s_kw: cute.Tensor, s_qd: cute.Tensor, s_kr: cute.Tensor, s_mqk: cute.Tensor,
+                s_v: cute.Tensor, s_whi: cute.Tensor, s_wlo: cute.Tensor, s_dec: cute.Tensor, s_out: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
                 final_state: cute.Tensor, flags: Int32, tidx: Int32, seq: Int32, hv: Int32,
                 v_slice: Int32, bos: Int32, eos: Int32, num_chunks: Int32):
         """The four MMA warps: the serial walk over the chunks (warp-level MMAs)."""
@@ -86,10 +88,20 @@ class ChunkRecurrenceMma(ChunkRecurrence):
         b_qd = thr.make_fragment_B(thr.partition_shape_B((CHUNK, HEAD_DIM)))
         b_mqk = thr.make_fragment_B(thr.partition_shape_B((CHUNK, CHUNK)))
         b_kr = thr.make_fragment_B(thr.partition_shape_B((HEAD_DIM, CHUNK)))
+        # U^T = v^T W^T: A = the v slice [v, tokens] (v contiguous in shared memory: ldmatrix.trans),
+        # B = W hi / lo [i, j] (K-major, like mqk).
+        a_v = thr.make_fragment_A(thr.partition_shape_A((V_SLICE, CHUNK)))
+        b_whi = thr.make_fragment_B(thr.partition_shape_B((CHUNK, CHUNK)))
+        b_wlo = thr.make_fragment_B(thr.partition_shape_B((CHUNK, CHUNK)))
         load_k_major = cute.make_tiled_copy_B(
             cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), bf16), mma)
         load_mn_major = cute.make_tiled_copy_B(
             cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(True, 4), bf16), mma)
+        load_a_mn_major = cute.make_tiled_copy_A(
+            cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(True, 4), bf16), mma)
+        thr_a = load_a_mn_major.get_slice(tidx)
+        src_v = thr_a.partition_S(s_v)
+        dst_v = thr_a.retile(a_v)
         thr_k = load_k_major.get_slice(tidx)
         thr_mn = load_mn_major.get_slice(tidx)
         src_kw = thr_k.partition_S(s_kw)
@@ -100,6 +112,14 @@ class ChunkRecurrenceMma(ChunkRecurrence):
         dst_qd = thr_k.retile(b_qd)
         dst_mqk = thr_k.retile(b_mqk)
         dst_kr = thr_mn.retile(b_kr)
+        src_whi = thr_k.partition_S(s_whi)
+        src_wlo = thr_k.partition_S(s_wlo)
+        dst_whi = thr_k.retile(b_whi)
+        dst_wlo = thr_k.retile(b_wlo)
+        # The summary kernel's transition slices (SLICES..) run with zero values: U = -W k S only.
+        with_values = True
+        if cutlass.const_expr(self.summary):
+            with_values = v_slice < SLICES
 
         load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice, self.summary)
 
@@ -107,7 +127,13 @@ class ChunkRecurrenceMma(ChunkRecurrence):
         for c in cutlass.range(num_chunks, unroll=1):
             loads.consumer_wait(state)
             stage = state.index
-            load_values(acc_u, crd_t, s_vw, stage, v_slice, self.summary)
+            acc_u.fill(0.0)
+            if with_values:
+                cute.copy(load_a_mn_major, src_v[None, None, 0, stage], dst_v[None, None, 0])
+                cute.copy(load_k_major, src_whi[None, None, 0, stage], dst_whi[None, None, 0])
+                cute.copy(load_k_major, src_wlo[None, None, 0, stage], dst_wlo[None, None, 0])
+                cute.gemm(mma, acc_u, a_v[None, None, 0], b_whi[None, None, 0], acc_u)
+                cute.gemm(mma, acc_u, a_v[None, None, 0], b_wlo[None, None, 0], acc_u)
             _to_operand(acc_s, a_s)
             decay_state(acc_s, crd_s, s_dec, stage)
             acc_o.fill(0.0)
@@ -129,7 +155,7 @@ class ChunkRecurrenceMma(ChunkRecurrence):
             cute.gemm(mma, acc_o, a_u_lo[None, None, 0], b_mqk[None, None, 0], acc_o)
             cute.gemm(mma, acc_s, a_u[None, None, 0], b_kr[None, None, 0], acc_s)
             cute.gemm(mma, acc_s, a_u_lo[None, None, 0], b_kr[None, None, 0], acc_s)
-            # Every read of this stage (ldmatrix, vw, decay) is done: hand it back to the producer.
+            # Every read of this stage (ldmatrix, decay) is done: hand it back to the producer.
             loads.consumer_release(state)
             state.advance()
 

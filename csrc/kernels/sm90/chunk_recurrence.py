@@ -6,7 +6,8 @@ S^T [64 v, 128 k]. Per chunk, with the operands written by `prepare_chunks` (TMA
 
     S_bf   = bf16(S^T)                       A operand, straight from the accumulator registers
     S^T   *= decay (per column k)
-    U^T    = Vw^T + S_bf neg_kw^T            wgmma m64n16, K = 128 (accumulator preloaded with Vw^T)
+    U^T    = v^T W_hi^T + v^T W_lo^T         wgmma m64n16, K = 16, twice (A = v from shared memory)
+    U^T   += S_bf neg_kw^T                   wgmma m64n16, K = 128, same batch
     O^T    = S_bf qd^T                       wgmma m64n16, K = 128, same batch
     U_hi   = bf16(U^T),  U_lo = bf16(U^T - U_hi)     (U to ~16 bits as two bf16 operands)
     O^T   += U_hi mqk^T + U_lo mqk^T         wgmma m64n16,  K = 16, twice
@@ -23,8 +24,8 @@ B and M per segment) instead of o. The apply call is this kernel unchanged, over
 
 Warp roles (160 threads): warps 0-3 are the MMA warpgroup; warp 4 is the TMA producer.
 Shared memory per pipeline stage (bytes):
-    neg_kw 16 x 128 x 2 = 4096, qd 4096, kr 4096, mqk 16 x 16 x 2 = 512,
-    vw 16 x 64 x 4 = 4096, decay 128 x 4 = 512                      -> 17408 per stage
+    neg_kw 16 x 128 x 2 = 4096, qd 4096, kr 4096, v 16 x 64 x 2 = 2048,
+    mqk, w_hi, w_lo 16 x 16 x 2 = 512 each, decay 128 x 4 = 512      -> 16384 per stage
 plus the output staging tile 2 x 16 x 72 x 2 = 4608 (rows padded) and the mbarriers.
 """
 
@@ -64,9 +65,10 @@ OUT_PITCH = V_SLICE + 8
 def shared_memory_bytes() -> int:
     """Shared memory of one CTA, as laid out by SharedStorage (1024-byte aligned swizzled tiles)."""
     barriers = 1024  # 2 * STAGES mbarriers, padded up to the first 1024-aligned tile
-    mma_tiles = STAGES * (3 * CHUNK * HEAD_DIM * 2 + CHUNK * CHUNK * 2)  # neg_kw, qd, kr, mqk
-    thread_tiles = STAGES * (CHUNK * V_SLICE * 4 + HEAD_DIM * 4)  # vw, decay
-    return barriers + mma_tiles + thread_tiles + 2 * CHUNK * OUT_PITCH * 2  # + output staging
+    mma_tiles = STAGES * (3 * CHUNK * HEAD_DIM * 2 + CHUNK * V_SLICE * 2)  # neg_kw, qd, kr, v
+    small_tiles = 3 * STAGES * CHUNK * CHUNK * 2  # mqk, w_hi, w_lo: 512 B per stage each
+    return barriers + mma_tiles + small_tiles + STAGES * HEAD_DIM * 4 + 2 * CHUNK * OUT_PITCH * 2  # + decay, output staging
+    # (each buffer starts 1024-aligned; all but the last end on a multiple of 1024 B)
 
 
 def _acc_as_operand_layout(acc_layout, operand_value_shape):
@@ -151,32 +153,11 @@ def store_state(acc_s: cute.Tensor, crd_s: cute.Tensor, final_state: cute.Tensor
 
 
 @cute.jit
-def load_values(acc_u: cute.Tensor, crd_t: cute.Tensor, s_vw: cute.Tensor, stage: Int32, v_slice: Int32,
-                summary: cutlass.Constexpr = False):
-    """acc_u <- this chunk's Vw^T slice; zeros for the transition columns (slices SLICES.., which
-    only the summary kernel has)."""
-    if cutlass.const_expr(summary):
-        if v_slice >= SLICES:
-            acc_u.fill(0.0)
-        else:
-            _load_vw(acc_u, crd_t, s_vw, stage)
-    else:
-        _load_vw(acc_u, crd_t, s_vw, stage)
-
-
-@cute.jit
 def decay_state(acc_s: cute.Tensor, crd_s: cute.Tensor, s_dec: cute.Tensor, stage: Int32):
     """S^T *= decay, per column k (the chunk's total decay, fp32)."""
     for e in cutlass.range_constexpr(cute.size(acc_s)):
         _, kk = crd_s[e]
         acc_s[e] = acc_s[e] * s_dec[0, kk, stage]
-
-
-@cute.jit
-def _load_vw(acc_u: cute.Tensor, crd_t: cute.Tensor, s_vw: cute.Tensor, stage: Int32):
-    for e in cutlass.range_constexpr(cute.size(acc_u)):
-        vv, tt = crd_t[e]
-        acc_u[e] = s_vw[tt, vv, stage]
 
 
 @cute.jit
@@ -208,6 +189,7 @@ class ChunkRecurrence:
         self.summary = summary
         self.mma_tok = None
         self.mma_state = None
+        self.mma_vw = None
 
     def make_mmas(self):
         # m64n16: U^T and O^T. A = registers (K-major by construction), B = [tokens, k] K-major.
@@ -218,10 +200,16 @@ class ChunkRecurrence:
         self.mma_state = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.MN,
             Float32, (1, 1, 1), (V_SLICE, HEAD_DIM), warpgroup.OperandSource.RMEM)
+        # m64n16: U^T = v^T W^T. A = the chunk's v slice from shared memory, [v (M), tokens (K)]
+        # with v contiguous (MN-major); B = W (hi or lo) as [i (N), j (K)], K-major like mqk.
+        self.mma_vw = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.MN, OperandMajorMode.K,
+            Float32, (1, 1, 1), (V_SLICE, CHUNK), warpgroup.OperandSource.SMEM)
 
     @cute.jit
     def launch(self, neg_kw: cute.Tensor, qd: cute.Tensor, kr: cute.Tensor, mqk: cute.Tensor,
-               vw: cute.Tensor, decay: cute.Tensor, cu_seqlens: cute.Tensor,
+               vv: cute.Tensor, w_hi: cute.Tensor, w_lo: cute.Tensor, decay: cute.Tensor,
+               cu_seqlens: cute.Tensor,
                initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor,
                num_seqs: Int32, dense_len: Int32, flags: Int32, stream):
         self.make_mmas()
@@ -230,20 +218,24 @@ class ChunkRecurrence:
         kw_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (V_SLICE, CHUNK, HEAD_DIM), bf16, STAGES)
         kr_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (V_SLICE, HEAD_DIM, CHUNK), bf16, STAGES)
         mqk_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (V_SLICE, CHUNK, CHUNK), bf16, STAGES)
-        vw_layout = cute.make_layout((CHUNK, V_SLICE, STAGES), stride=(V_SLICE, 1, CHUNK * V_SLICE))
+        v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (V_SLICE, CHUNK, CHUNK), bf16, STAGES)
         decay_layout = cute.make_layout((1, HEAD_DIM, STAGES), stride=(HEAD_DIM, 1, HEAD_DIM))
         out_layout = cute.make_layout((CHUNK, V_SLICE, 2), stride=(OUT_PITCH, 1, CHUNK * OUT_PITCH))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # kr rows are tokens with k contiguous; the MMA wants it as [k, tokens].
         kr_nk = cute.make_tensor(kr.iterator, cute.make_layout((HEAD_DIM, kr.shape[0]), stride=(1, HEAD_DIM)))
+        # v rows are tokens with v contiguous; the MMA wants it as [v, tokens].
+        v_mk = cute.make_tensor(vv.iterator, cute.make_layout((HEAD_DIM, vv.shape[0]), stride=(1, HEAD_DIM)))
         tma_kw, g_kw = cpasync.make_tiled_tma_atom(g2s, neg_kw, cute.slice_(kw_layout, (None, None, 0)), (CHUNK, HEAD_DIM))
         tma_qd, g_qd = cpasync.make_tiled_tma_atom(g2s, qd, cute.slice_(kw_layout, (None, None, 0)), (CHUNK, HEAD_DIM))
         tma_kr, g_kr = cpasync.make_tiled_tma_atom(g2s, kr_nk, cute.slice_(kr_layout, (None, None, 0)), (HEAD_DIM, CHUNK))
         tma_mqk, g_mqk = cpasync.make_tiled_tma_atom(g2s, mqk, cute.slice_(mqk_layout, (None, None, 0)), (CHUNK, CHUNK))
-        tma_vw, g_vw = cpasync.make_tiled_tma_atom(g2s, vw, cute.slice_(vw_layout, (None, None, 0)), (CHUNK, V_SLICE))
+        tma_v, g_v = cpasync.make_tiled_tma_atom(g2s, v_mk, cute.slice_(v_layout, (None, None, 0)), (V_SLICE, CHUNK))
+        tma_whi, g_whi = cpasync.make_tiled_tma_atom(g2s, w_hi, cute.slice_(mqk_layout, (None, None, 0)), (CHUNK, CHUNK))
+        tma_wlo, g_wlo = cpasync.make_tiled_tma_atom(g2s, w_lo, cute.slice_(mqk_layout, (None, None, 0)), (CHUNK, CHUNK))
         tma_dec, g_dec = cpasync.make_tiled_tma_atom(g2s, decay, cute.slice_(decay_layout, (None, None, 0)), (1, HEAD_DIM))
-        stage_bytes = (3 * CHUNK * HEAD_DIM * 2 + CHUNK * CHUNK * 2 + CHUNK * V_SLICE * 4 + HEAD_DIM * 4)
+        stage_bytes = (3 * CHUNK * HEAD_DIM * 2 + 3 * CHUNK * CHUNK * 2 + CHUNK * V_SLICE * 2 + HEAD_DIM * 4)
 
         @cute.struct
         class SharedStorage:
@@ -252,27 +244,31 @@ class ChunkRecurrence:
             s_qd: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kw_layout)], 1024]
             s_kr: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kr_layout)], 1024]
             s_mqk: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(mqk_layout)], 1024]
-            s_vw: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(vw_layout)], 128]
+            s_v: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(v_layout)], 1024]
+            s_whi: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(mqk_layout)], 1024]
+            s_wlo: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(mqk_layout)], 1024]
             s_dec: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(decay_layout)], 128]
             s_out: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(out_layout)], 128]
 
         num_v_heads = o.shape[1]
         self.kernel(
-            self.mma_tok, self.mma_state,
-            tma_kw, g_kw, tma_qd, g_qd, tma_kr, g_kr, tma_mqk, g_mqk, tma_vw, g_vw, tma_dec, g_dec,
-            kw_layout, kr_layout, mqk_layout, vw_layout, decay_layout, out_layout,
+            self.mma_tok, self.mma_state, self.mma_vw,
+            tma_kw, g_kw, tma_qd, g_qd, tma_kr, g_kr, tma_mqk, g_mqk, tma_v, g_v, tma_whi, g_whi,
+            tma_wlo, g_wlo, tma_dec, g_dec,
+            kw_layout, kr_layout, mqk_layout, v_layout, decay_layout, out_layout,
             cu_seqlens, initial_state, o, final_state, num_seqs, dense_len, flags,
             SharedStorage, stage_bytes,
         ).launch(grid=[SLICES * (2 if self.summary else 1), num_v_heads, num_seqs],
                  block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma,
+    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mma_vw: cute.TiledMma,
                tma_kw: cute.CopyAtom, g_kw: cute.Tensor, tma_qd: cute.CopyAtom, g_qd: cute.Tensor,
                tma_kr: cute.CopyAtom, g_kr: cute.Tensor, tma_mqk: cute.CopyAtom, g_mqk: cute.Tensor,
-               tma_vw: cute.CopyAtom, g_vw: cute.Tensor, tma_dec: cute.CopyAtom, g_dec: cute.Tensor,
+               tma_v: cute.CopyAtom, g_v: cute.Tensor, tma_whi: cute.CopyAtom, g_whi: cute.Tensor,
+               tma_wlo: cute.CopyAtom, g_wlo: cute.Tensor, tma_dec: cute.CopyAtom, g_dec: cute.Tensor,
                kw_layout: cute.ComposedLayout, kr_layout: cute.ComposedLayout,
-               mqk_layout: cute.ComposedLayout, vw_layout: cute.Layout, decay_layout: cute.Layout,
+               mqk_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, decay_layout: cute.Layout,
                out_layout: cute.Layout,
                cu_seqlens: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
                final_state: cute.Tensor, num_seqs: Int32, dense_len: Int32, flags: Int32,
@@ -297,7 +293,9 @@ class ChunkRecurrence:
         s_qd = storage.s_qd.get_tensor(kw_layout.outer, swizzle=kw_layout.inner)
         s_kr = storage.s_kr.get_tensor(kr_layout.outer, swizzle=kr_layout.inner)
         s_mqk = storage.s_mqk.get_tensor(mqk_layout.outer, swizzle=mqk_layout.inner)
-        s_vw = storage.s_vw.get_tensor(vw_layout)
+        s_v = storage.s_v.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        s_whi = storage.s_whi.get_tensor(mqk_layout.outer, swizzle=mqk_layout.inner)
+        s_wlo = storage.s_wlo.get_tensor(mqk_layout.outer, swizzle=mqk_layout.inner)
         s_dec = storage.s_dec.get_tensor(decay_layout)
         s_out = storage.s_out.get_tensor(out_layout)
 
@@ -310,7 +308,7 @@ class ChunkRecurrence:
         if cutlass.const_expr(self.summary):
             vw_slice = v_slice % SLICES  # the transition slices load (and ignore) slice 0's values
         if warp == PRODUCER_WARP:
-            # TMA producer: one stage per chunk, all six operands on one transaction barrier.
+            # TMA producer: one stage per chunk, all eight operands on one transaction barrier.
             t_kw_s, t_kw_g = cpasync.tma_partition(tma_kw, 0, cute.make_layout(1), cute.group_modes(s_kw, 0, 2),
                                                    cute.group_modes(cute.local_tile(g_kw, (CHUNK, HEAD_DIM), (None, 0)), 0, 2))
             t_qd_s, t_qd_g = cpasync.tma_partition(tma_qd, 0, cute.make_layout(1), cute.group_modes(s_qd, 0, 2),
@@ -319,8 +317,12 @@ class ChunkRecurrence:
                                                    cute.group_modes(cute.local_tile(g_kr, (HEAD_DIM, CHUNK), (0, None)), 0, 2))
             t_mqk_s, t_mqk_g = cpasync.tma_partition(tma_mqk, 0, cute.make_layout(1), cute.group_modes(s_mqk, 0, 2),
                                                      cute.group_modes(cute.local_tile(g_mqk, (CHUNK, CHUNK), (None, 0)), 0, 2))
-            t_vw_s, t_vw_g = cpasync.tma_partition(tma_vw, 0, cute.make_layout(1), cute.group_modes(s_vw, 0, 2),
-                                                   cute.group_modes(cute.local_tile(g_vw, (CHUNK, V_SLICE), (None, vw_slice)), 0, 2))
+            t_v_s, t_v_g = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(s_v, 0, 2),
+                                                 cute.group_modes(cute.local_tile(g_v, (V_SLICE, CHUNK), (vw_slice, None)), 0, 2))
+            t_whi_s, t_whi_g = cpasync.tma_partition(tma_whi, 0, cute.make_layout(1), cute.group_modes(s_whi, 0, 2),
+                                                     cute.group_modes(cute.local_tile(g_whi, (CHUNK, CHUNK), (None, 0)), 0, 2))
+            t_wlo_s, t_wlo_g = cpasync.tma_partition(tma_wlo, 0, cute.make_layout(1), cute.group_modes(s_wlo, 0, 2),
+                                                     cute.group_modes(cute.local_tile(g_wlo, (CHUNK, CHUNK), (None, 0)), 0, 2))
             t_dec_s, t_dec_g = cpasync.tma_partition(tma_dec, 0, cute.make_layout(1), cute.group_modes(s_dec, 0, 2),
                                                      cute.group_modes(cute.local_tile(g_dec, (1, HEAD_DIM), (None, 0)), 0, 2))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
@@ -332,20 +334,23 @@ class ChunkRecurrence:
                 cute.copy(tma_qd, t_qd_g[(None, tile)], t_qd_s[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(tma_kr, t_kr_g[(None, tile)], t_kr_s[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(tma_mqk, t_mqk_g[(None, tile)], t_mqk_s[(None, state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_vw, t_vw_g[(None, tile)], t_vw_s[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_v, t_v_g[(None, tile)], t_v_s[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_whi, t_whi_g[(None, tile)], t_whi_s[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_wlo, t_wlo_g[(None, tile)], t_wlo_s[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(tma_dec, t_dec_g[(None, tile)], t_dec_s[(None, state.index)], tma_bar_ptr=bar)
                 loads.producer_commit(state)
                 state.advance()
 
         if warp < PRODUCER_WARP:
-            self.consume(mma_tok, mma_state, loads, s_kw, s_qd, s_kr, s_mqk, s_vw, s_dec, s_out,
+            self.consume(mma_tok, mma_state, mma_vw, loads, s_kw, s_qd, s_kr, s_mqk, s_v, s_whi, s_wlo,
+                         s_dec, s_out,
                          initial_state, o, final_state, flags, tidx, seq, hv, v_slice, bos, eos,
                          num_chunks)
 
     @cute.jit
-    def consume(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, loads, s_kw: cute.Tensor,
-                s_qd: cute.Tensor, s_kr: cute.Tensor, s_mqk: cute.Tensor, s_vw: cute.Tensor,
-                s_dec: cute.Tensor, s_out: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
+    def consume(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mma_vw: cute.TiledMma, loads,
+                s_kw: cute.Tensor, s_qd: cute.Tensor, s_kr: cute.Tensor, s_mqk: cute.Tensor,
+                s_v: cute.Tensor, s_whi: cute.Tensor, s_wlo: cute.Tensor, s_dec: cute.Tensor, s_out: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
                 final_state: cute.Tensor, flags: Int32, tidx: Int32, seq: Int32, hv: Int32,
                 v_slice: Int32, bos: Int32, eos: Int32, num_chunks: Int32):
         """The MMA warpgroup: the serial walk over the chunks (warpgroup MMAs)."""
@@ -356,6 +361,14 @@ class ChunkRecurrence:
         b_qd = thr_tok.make_fragment_B(thr_tok.partition_B(s_qd))
         b_mqk = thr_tok.make_fragment_B(thr_tok.partition_B(s_mqk))
         b_kr = thr_state.make_fragment_B(thr_state.partition_B(s_kr))
+        thr_vw = mma_vw.get_slice(tidx)
+        a_v = thr_vw.make_fragment_A(thr_vw.partition_A(s_v))
+        b_whi = thr_vw.make_fragment_B(thr_vw.partition_B(s_whi))
+        b_wlo = thr_vw.make_fragment_B(thr_vw.partition_B(s_wlo))
+        # The summary kernel's transition slices (SLICES..) run with zero values: U = -W k S only.
+        with_values = True
+        if cutlass.const_expr(self.summary):
+            with_values = v_slice < SLICES
         # Accumulators and their (row, column) coordinates: rows are v, columns tokens or k.
         acc_s = thr_state.make_fragment_C(thr_state.partition_shape_C((V_SLICE, HEAD_DIM)))
         acc_u = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
@@ -374,15 +387,21 @@ class ChunkRecurrence:
         for c in cutlass.range(num_chunks, unroll=1):
             loads.consumer_wait(state)
             stage = state.index
-            load_values(acc_u, crd_t, s_vw, stage, v_slice, self.summary)
             _to_operand(acc_s, a_s)
             # Decay the fp32 state now: ptxas would otherwise serialize this against the
             # batch below anyway (it treats acc_s as live wgmma output across the loop).
             decay_state(acc_s, crd_s, s_dec, stage)
 
             warpgroup.fence()
-            mma_tok.set(warpgroup.Field.ACCUMULATE, True)
+            # U^T = v^T (W_hi + W_lo)^T: W as two bf16 halves, v exact in bf16. The transition
+            # slices discard it: their first neg_kw product overwrites instead of accumulating
+            # (a runtime scale-d, not a branch around the MMAs, which would make ptxas wait).
+            mma_vw.set(warpgroup.Field.ACCUMULATE, False)
+            cute.gemm(mma_vw, acc_u, a_v[None, None, 0, stage], b_whi[None, None, 0, stage], acc_u)
+            mma_vw.set(warpgroup.Field.ACCUMULATE, True)
+            cute.gemm(mma_vw, acc_u, a_v[None, None, 0, stage], b_wlo[None, None, 0, stage], acc_u)
             for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                mma_tok.set(warpgroup.Field.ACCUMULATE, with_values if kb == 0 else True)
                 cute.gemm(mma_tok, acc_u, a_s[None, None, kb], b_kw[None, None, kb, stage], acc_u)
             for kb in cutlass.range_constexpr(HEAD_DIM // 16):
                 mma_tok.set(warpgroup.Field.ACCUMULATE, kb != 0)

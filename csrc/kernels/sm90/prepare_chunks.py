@@ -9,9 +9,10 @@ operands of the serial recurrence (`chunk_recurrence.py`), all independent of th
 
     G        inclusive cumsum of the log2 decay over the chunk           (registers, fp32)
     L        strictly lower beta_i * sum_d k_i k_j 2^(G_i - G_j)          (smem, fp32)
-    W        (I + L)^-1 diag(beta), rounded to TF32                       (smem)
-    neg_kw   -W (k * 2^G)            [16, 128] bf16   B operand of  U^T = Vw^T + S^T neg_kw^T
-    vw       W v                     [16, 128] fp32   initial accumulator of U^T
+    W        (I + L)^-1 diag(beta): TF32 in smem (for neg_kw); w_hi = bf16(W), w_lo = bf16(W - w_hi)
+             [16, 16] bf16 each, B operands of  U^T = v^T w_hi^T + v^T w_lo^T + S^T neg_kw^T
+    v        the chunk's v as read   [16, 128] bf16   A operand of  U^T = v^T W^T + ... (rows past the end 0)
+    neg_kw   -W (k * 2^G)            [16, 128] bf16   B operand of  U^T = ... + S^T neg_kw^T
     qd       scale * q * 2^G         [16, 128] bf16   B operand of  O^T = S^T qd^T + ...
     kr       k * 2^(G_last - G)      [16, 128] bf16   B operand of  S^T += U^T kr
     mqk      scale q_i k_j 2^(G_i-G_j), j <= i  [16, 16] bf16   B operand of O^T += U^T mqk^T
@@ -24,18 +25,18 @@ pair products use 2^(G_i - G_j) element-wise (i >= j, fp32 on CUDA cores).
 
 Rounding (tests/kda_chunk_model.py models it exactly): the fast path's factors k 2^(G-ref),
 q 2^(G-ref), k 2^(ref-G) go to the TF32 MMA as fp32 bits (the tensor core truncates them to
-TF32); on both paths W and k 2^G are rounded to TF32 (round to nearest, ties away); v is bf16,
-hence exact in TF32. Products accumulate in fp32.
+TF32); on both paths W and k 2^G are rounded to TF32 (round to nearest, ties away) for neg_kw;
+the recurrence gets W as hi + lo bf16 halves (~16 bits) and v as read. Products accumulate in fp32.
 
 Phases per item (four CTA barriers, after the one that publishes the item's stage):
     1  q, k, g from the stage (thread d: channel d, 16 tokens), gate, cumsum; l2-norm partial sums
        (transposed warp reduction) and the fast-path vote                          -> barrier
     2  l2 norms; factor tiles into smem; qd, kr to global                          -> barrier
-    3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2) -> barrier
-    4  warp 0: forward substitution for W; every thread: its channel of k 2^G and v as
-       token-contiguous rows (k 2^G over factor tiles 0-1, v over factor tile 2 in the
-       stage, both dead after phase 3)                                           -> barrier
-    5  W application: warp w computes channels 32 w .. 32 w + 31 of neg_kw and vw
+    3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2);
+       v to global                                                                -> barrier
+    4  warp 0: forward substitution for W (TF32 to smem, hi / lo to global); every thread: its
+       channel of k 2^G as a token-contiguous row over factor tiles 0-1 (dead after phase 3) -> barrier
+    5  W application: warp w computes channels 32 w .. 32 w + 31 of neg_kw
 
 Chunk slots: sequence n (tokens [bos_n, eos_n)) owns slots base(n) + c for its chunks c, with
 base(n) = bos_n // 16 + n. Slots never overlap and all lie below total_tokens // 16 + N, which
@@ -98,10 +99,10 @@ INPUT_STAGES_BYTES = INPUT_STAGES * INPUT_TILES * CHUNK * HEAD_DIM * 2   # 32 76
 COPIES_PER_THREAD = INPUT_TILES * CHUNK * HEAD_DIM // 8 // THREADS      # 8 x 16 bytes
 
 # Phases 2-3 use three factor tiles [16 tokens, 128 channels] fp32 (rows of FACTOR_PITCH words),
-# phases 4-5 two operand tiles [128 channels, 16 tokens] fp32 (rows of OPERAND_PITCH words). Two
-# factor tiles, then the first operand tile, live in the CTA's own region; the third factor tile,
-# then the second operand tile, in the current input stage, over its q, k, g tiles (dead once
-# phase 1 has read them; the stage's v tile, read in phase 3, lies after them).
+# phases 4-5 one operand tile k 2^G [128 channels, 16 tokens] fp32 (rows of OPERAND_PITCH words).
+# Two factor tiles, then the operand tile, live in the CTA's own region; the third factor tile in
+# the current input stage, over its q, k, g tiles (dead once phase 1 has read them; the stage's v
+# tile, read in phase 3, lies after them).
 FACTOR_TILE_BYTES = CHUNK * FACTOR_PITCH * 4      # 8 448
 OPERAND_TILE_BYTES = HEAD_DIM * OPERAND_PITCH * 4  # 10 240
 FACTOR_TILES_BYTES = 2 * FACTOR_TILE_BYTES         # the CTA's own region: 16 896
@@ -315,7 +316,9 @@ def prepare_chunks_kernel(
     qd_out: cute.Tensor,      # [R * 16, 128] bf16
     kr_out: cute.Tensor,      # [R * 16, 128] bf16
     mqk_out: cute.Tensor,     # [R * 16, 16] bf16
-    vw_out: cute.Tensor,      # [R * 16, 128] fp32
+    v_out: cute.Tensor,       # [R * 16, 128] bf16
+    w_hi_out: cute.Tensor,    # [R * 16, 16] bf16
+    w_lo_out: cute.Tensor,    # [R * 16, 16] bf16
     decay_out: cute.Tensor,   # [R, 128] fp32
     num_seqs: Int32,
     dense_len: Int32,
@@ -385,7 +388,7 @@ def prepare_chunks_kernel(
         cute.arch.cp_async_wait_group(0)   # this thread's copies of the current item have landed
         cute.arch.sync_threads()           # ... and everyone else's; and the item before is done
         # Prefetch the next item into the other stage, after the barrier: the item before this
-        # one used that stage up to its very end (its second operand tile is there).
+        # one used that stage (factor tile 2, raw v) up to its phase 3.
         next_item = item + num_ctas
         n_slot, n_hv, n_hq, n_r = advance_item(slot, hv, hq, r, step_slot, step_hv, step_hq, step_r,
                                                group, num_v_heads, num_q_heads)
@@ -400,7 +403,7 @@ def prepare_chunks_kernel(
         if valid > 0:
             prepare_one(s_in[stage, None, None, None], s_fac, s_lower,
                         s_w_bits, s_beta, s_norm, s_rnorm, s_fast,
-                        neg_kw_out, qd_out, kr_out, mqk_out, vw_out, decay_out,
+                        neg_kw_out, qd_out, kr_out, mqk_out, v_out, w_hi_out, w_lo_out, decay_out,
                         slot, hv, valid, beta_raw, a_log_hv, bias, num_v_heads, d, warp, lane,
                         flags, gate_mode, scale, lower_bound)
         item = next_item
@@ -415,27 +418,24 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
                 s_beta: cute.Tensor,
                 s_norm: cute.Tensor, s_rnorm: cute.Tensor, s_fast: cute.Tensor,
                 neg_kw_out: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
-                vw_out: cute.Tensor, decay_out: cute.Tensor,
+                v_out: cute.Tensor, w_hi_out: cute.Tensor, w_lo_out: cute.Tensor, decay_out: cute.Tensor,
                 slot: Int32, hv: Int32, valid: Int32, beta_raw: cutlass.BFloat16, a_log_hv: Float32,
                 bias: Float32,
                 num_v_heads: Int32, d: Int32, warp: Int32, lane: Int32, flags: Int32, gate_mode: Int32,
                 scale: Float32, lower_bound: Float32):
     """All five phases for one item whose raw tiles are in `s_stage` (CTA-uniform call)."""
     row0 = (slot * num_v_heads + hv) * CHUNK
-    # Shared tiles (see FACTOR_TILES_BYTES): factor tiles 0, 1 and then operand tile 0 in s_fac;
-    # factor tile 2 and then operand tile 1 at the start of the stage, over its raw q, k, g.
+    # Shared tiles (see FACTOR_TILES_BYTES): factor tiles 0, 1 and then the operand tile k 2^G in
+    # s_fac; factor tile 2 at the start of the stage, over its raw q, k, g.
     s_fac_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), s_fac.layout)
     stage_f32 = cute.recast_ptr(s_stage.iterator, dtype=Float32)
     s_fac2 = cute.make_tensor(stage_f32, cute.make_layout((CHUNK, HEAD_DIM), stride=(FACTOR_PITCH, 1)))
     s_fac2_bits = cute.make_tensor(cute.recast_ptr(stage_f32, dtype=Int32), s_fac2.layout)
     op_layout = cute.make_layout((HEAD_DIM, CHUNK), stride=(OPERAND_PITCH, 1))
     s_kd_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), op_layout)
-    s_v = cute.make_tensor(stage_f32, op_layout)
-    s_v_bits = cute.make_tensor(cute.recast_ptr(stage_f32, dtype=Int32), op_layout)
 
     q_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     k_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-    v_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     cum = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     kd_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
 
@@ -545,15 +545,14 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
     decay_out[slot * num_v_heads + hv, d] = cute.math.exp2(g_last, fastmath=True)
     cute.arch.sync_threads()
 
-    # ---- Phase 3: pair products A_kk (-> L) and Mqk.
-    # v is first needed in phase 4: reading it here keeps it out of the register peak of
-    # phases 1-2.
+    # ---- Phase 3: pair products A_kk (-> L) and Mqk; v copied to the workspace (bf16, as read;
+    # rows past the chunk's end zero), for the recurrence's U = W v.
     for i in cutlass.range_constexpr(CHUNK):
-        v_r[i] = s_stage[3, i, d].to(Float32)
-    if valid < CHUNK:
-        for i in cutlass.range_constexpr(CHUNK):
+        v_i = s_stage[3, i, d]
+        if valid < CHUNK:
             if i > last:
-                v_r[i] = Float32(0.0)
+                v_i = cutlass.BFloat16(0.0)
+        v_out[row0 + i, d] = v_i
     mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaTF32Op((16, 8, MMA_K)))
     thr = mma.get_slice(lane)
     crd_c = thr.partition_C(cute.make_identity_tensor((CHUNK, 8)))
@@ -614,13 +613,14 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
             mqk_out[row0 + pi, pj] = (acc_qk * scale).to(cutlass.BFloat16)
     cute.arch.sync_threads()
 
-    # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c) and the
-    # W-application operands (every thread: its channel, over the free factor tiles).
+    # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c): TF32 bits to shared
+    # memory for neg_kw, and to the workspace as two bf16 tiles, hi = bf16(W), lo = bf16(W - hi)
+    # (their sum carries ~16 bits), for the recurrence's U = W v; and the W-application operand
+    # k 2^G (every thread: its channel, over the free factor tiles 0-1).
     kd_bits = cute.make_rmem_tensor(cute.make_layout(CHUNK), Int32)
     for i in cutlass.range_constexpr(CHUNK):
         kd_bits[i] = tf32_bits(kd_r[i])
     cute.autovec_copy(kd_bits, s_kd_bits[d, None])
-    cute.autovec_copy(v_r, s_v[d, None])
     if d < CHUNK:
         # Right-looking: once col[j] is final, it updates every later col[i]. Each col[i] still
         # subtracts its terms in increasing j (the same float operations, bit for bit, as the
@@ -634,34 +634,30 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
                 col[i] = col[i] - s_lower[i, j] * col[j]
         b = s_beta[d]
         for i in cutlass.range_constexpr(CHUNK):
-            s_w_bits[i, d] = tf32_bits(col[i] * b)
+            w = col[i] * b
+            s_w_bits[i, d] = tf32_bits(w)
+            w_hi = w.to(cutlass.BFloat16)
+            w_hi_out[row0 + i, d] = w_hi
+            w_lo_out[row0 + i, d] = (w - w_hi.to(Float32)).to(cutlass.BFloat16)
     cute.arch.sync_threads()
 
-    # ---- Phase 5: neg_kw = -W (k 2^G), vw = W v; warp w owns channels 32 w .. 32 w + 31.
+    # ---- Phase 5: neg_kw = -W (k 2^G); warp w owns channels 32 w .. 32 w + 31.
     frag_w = thr.make_fragment_A(thr.partition_shape_A((CHUNK, CHUNK)))
     frag_kd = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
-    frag_v = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
     acc_kd = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
-    acc_v = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
     for kb in cutlass.range_constexpr(CHUNK // MMA_K):
         load_fragments(s_w_bits, lane % 16, kb * MMA_K + (lane // 16) * 4, frag_w, 4 * kb)
     for nt in cutlass.range_constexpr(32 // 8):
         ch0 = warp * 32 + nt * 8
         # Lanes 8 j .. 8 j + 7: channels ch0 .. ch0 + 7 at tokens 4 j .. 4 j + 3.
         load_fragments(s_kd_bits, ch0 + lane % 8, (lane // 8) * 4, frag_kd, 0)
-        load_fragments(s_v_bits, ch0 + lane % 8, (lane // 8) * 4, frag_v, 0)
         acc_kd.fill(0.0)
-        acc_v.fill(0.0)
         cute.gemm(mma, acc_kd, frag_w, frag_kd, acc_kd)
-        cute.gemm(mma, acc_v, frag_w, frag_v, acc_v)
         # Accumulator values (2 h, 2 h + 1) are columns (n, n + 1) of one row: paired stores.
         for h in cutlass.range_constexpr(2):
             i, n = crd_c[2 * h]
             pair_kw = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
-            pair_vw = cute.make_rmem_tensor(cute.make_layout(2), Float32)
             for e in cutlass.range_constexpr(2):
                 pair_kw[e] = (-acc_kd[2 * h + e]).to(cutlass.BFloat16)
-                pair_vw[e] = acc_v[2 * h + e]
             pair_col = (ch0 + n) // 2
             cute.autovec_copy(pair_kw, cute.local_tile(neg_kw_out[row0 + i, None], (2,), (pair_col,)))
-            cute.autovec_copy(pair_vw, cute.local_tile(vw_out[row0 + i, None], (2,), (pair_col,)))
