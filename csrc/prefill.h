@@ -16,9 +16,10 @@ namespace jax_kda {
 inline constexpr int64_t kPrefillHeadDim = 128;
 // Tokens per chunk in the kernels; the workspace is sized in chunk slots of this many tokens.
 inline constexpr int64_t kPrefillChunk = 16;
-// Workspace bytes per (chunk slot, value head): neg_kw, qd, kr, v (bf16 16x128), mqk, w_hi, w_lo
-// (bf16 16x16), decay (fp32 128). Mirrored by jax_kda/planner.py.
-inline constexpr int64_t kPrefillWorkspaceBytesPerRow = 4 * 4096 + 4 * 512;
+// Workspace bytes per (chunk slot, value head): neg_kw, qd, kr (bf16 16x128), mqk, w_hi, w_lo
+// (bf16 16x16), decay (fp32 128); the recurrence reads v from the input. Mirrored by
+// jax_kda/planner.py.
+inline constexpr int64_t kPrefillWorkspaceBytesPerRow = 3 * 4096 + 4 * 512;
 // The kernels index workspace regions with 32-bit element offsets: rows * 2048 < 2^31.
 inline constexpr int64_t kPrefillMaxWorkspaceRows = int64_t{1} << 20;
 // The recurrence's grid is [V slices, HV, N]: CUDA's limit on grid y and z. Mirrored by planner.py.

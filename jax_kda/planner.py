@@ -44,8 +44,9 @@ class RecurrencePlan:
 
 
 # Bytes per (16-token chunk slot, value head) the SM90 prepare kernel hands to the recurrence:
-# neg_kw, qd, kr, v (bf16 16x128 each), mqk, w_hi, w_lo (bf16 16x16 each), decay (fp32 128).
-WORKSPACE_BYTES_PER_SLOT = 4 * 4096 + 4 * 512
+# neg_kw, qd, kr (bf16 16x128 each), mqk, w_hi, w_lo (bf16 16x16 each), decay (fp32 128); the
+# recurrence reads v from the input.
+WORKSPACE_BYTES_PER_SLOT = 3 * 4096 + 4 * 512
 # The kernels index the workspace regions with 32-bit element offsets: slots * HV < 2**20.
 MAX_WORKSPACE_ROWS = 1 << 20
 # The recurrence's grid is [V slices, HV, N]: CUDA allows at most 65535 blocks along y and z.

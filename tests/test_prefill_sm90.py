@@ -138,16 +138,28 @@ def test_planner_segments_a_long_few_head_call_and_it_stays_exact(fresh_seed):
 
 
 @requires_hopper
-def test_packed_tokens_never_leak_between_sequences(fresh_seed):
-    """Changing one sequence's inputs changes no other sequence's outputs or states, bit for bit."""
+@pytest.mark.parametrize("target", [FFI_TARGETS["sm90"], MMA_ON_HOPPER_TARGET])
+@pytest.mark.parametrize("change", ["scaled", "non_finite"])
+@pytest.mark.parametrize("segments", [None, 2])
+def test_packed_tokens_never_leak_between_sequences(segments, change, target, fresh_seed):
+    """Changing one sequence's inputs changes no other sequence's outputs or states, bit for bit;
+    also when the change makes them NaN or infinite. (The recurrence reads v straight from the
+    input in 16-token tiles: the last, partial chunk of the sequence before ends inside the
+    changed one, and those rows must count as exact zeros.) segments=2: the same through the
+    segmented (context-parallel) path."""
     w = W("packed", seqlens=(40, 0, 17, 33), **D)
     args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
-    o1, f1 = jax_kda.prefill(*args, backend="sm90", **kwargs)
+    o1, f1 = prefill_on_target(target, *args, num_segments=segments, **kwargs)
     cu = np.asarray(kwargs["cu_seqlens"])
-    lo, hi = int(cu[2]), int(cu[3])  # the third sequence (17 tokens)
-    changed = [x.at[:, lo:hi].set(x[:, lo:hi] * 0.5 + 0.25) for x in args]
-    o2, f2 = jax_kda.prefill(*changed, backend="sm90", **kwargs)
+    lo, hi = int(cu[2]), int(cu[3])  # the third sequence (17 tokens), after one of 40
+    if change == "scaled":
+        changed = [x.at[:, lo:hi].set(x[:, lo:hi] * 0.5 + 0.25) for x in args]
+    else:
+        changed = [x.at[:, lo:hi].set(jnp.nan) for x in args]
+        changed[2] = args[2].at[:, lo:hi].set(jnp.inf)  # v
+    o2, f2 = prefill_on_target(target, *changed, num_segments=segments, **kwargs)
     o1, o2 = np.asarray(jnp.asarray(o1, jnp.float32)), np.asarray(jnp.asarray(o2, jnp.float32))
+    assert np.all(np.isfinite(o2[:, :lo])) and np.all(np.isfinite(o2[:, hi:]))
     np.testing.assert_array_equal(o1[:, :lo], o2[:, :lo])
     np.testing.assert_array_equal(o1[:, hi:], o2[:, hi:])
     for n in (0, 1, 3):

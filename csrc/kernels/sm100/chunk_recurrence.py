@@ -44,6 +44,7 @@ from sm90.chunk_recurrence import (
     load_state,
     store_output,
     store_state,
+    zero_values_past_end,
 )
 
 MMA_WARPS = 4
@@ -122,11 +123,15 @@ class ChunkRecurrenceMma(ChunkRecurrence):
             with_values = v_slice < SLICES
 
         load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice, self.summary)
+        last_valid = eos - bos - (num_chunks - 1) * CHUNK  # tokens in the last chunk
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(num_chunks, unroll=1):
             loads.consumer_wait(state)
             stage = state.index
+            if c == num_chunks - 1:
+                if last_valid < CHUNK:
+                    zero_values_past_end(s_v, stage, last_valid, tidx)
             acc_u.fill(0.0)
             if with_values:
                 cute.copy(load_a_mn_major, src_v[None, None, 0, stage], dst_v[None, None, 0])

@@ -2,7 +2,8 @@
 
 One CTA per (64-wide slice of V, value head, sequence); it walks the sequence's chunks in order.
 The state slice lives in registers as the fp32 accumulator of a warpgroup MMA, transposed:
-S^T [64 v, 128 k]. Per chunk, with the operands written by `prepare_chunks` (TMA-loaded):
+S^T [64 v, 128 k]. Per chunk, with the operands written by `prepare_chunks` and the chunk's v
+slice straight from the input (all TMA-loaded):
 
     S_bf   = bf16(S^T)                       A operand, straight from the accumulator registers
     S^T   *= decay (per column k)
@@ -56,6 +57,7 @@ THREADS = MMA_THREADS + 32
 PRODUCER_WARP = MMA_THREADS // 32
 SLICES = HEAD_DIM // V_SLICE  # CTAs per (value head, sequence); twice as many in the summary kernel
 OUTPUT_BARRIER = 1
+VALUES_BARRIER = 2
 # Output staging rows [16 tokens, 64 v] padded to 72: the accumulator's bf16 writes (lanes differ
 # by 2 tokens and 1 v) spread over all banks, and every row starts 16-byte aligned for the
 # 8-element vector reads.
@@ -153,6 +155,25 @@ def store_state(acc_s: cute.Tensor, crd_s: cute.Tensor, final_state: cute.Tensor
 
 
 @cute.jit
+def zero_values_past_end(s_v: cute.Tensor, stage: Int32, valid: Int32, tidx: Int32):
+    """The last chunk of a sequence can be partial: its v tile then holds the next sequence's
+    first tokens (TMA reads the whole 16-token box from the input). Zero those rows of the
+    stage before any MMA reads them, so that they add exact zeros (W's columns for them are zero)
+    even when the next sequence's values are not finite. The fence orders these generic-proxy
+    writes before the async-proxy reads (wgmma) and before the stage's next TMA write."""
+    # One 16-byte store a thread: token tt, values 8 part .. 8 part + 7 (contiguous under the
+    # tile's 128-byte swizzle, which moves whole 16-byte units).
+    tt = tidx // (V_SLICE // 8)
+    part = tidx % (V_SLICE // 8)
+    if tt >= valid:
+        zeros = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+        zeros.fill(0.0)
+        cute.autovec_copy(zeros, cute.local_tile(s_v[None, tt, stage], (8,), (part,)))
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=VALUES_BARRIER, number_of_threads=MMA_THREADS)
+
+
+@cute.jit
 def decay_state(acc_s: cute.Tensor, crd_s: cute.Tensor, s_dec: cute.Tensor, stage: Int32):
     """S^T *= decay, per column k (the chunk's total decay, fp32)."""
     for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -208,7 +229,7 @@ class ChunkRecurrence:
 
     @cute.jit
     def launch(self, neg_kw: cute.Tensor, qd: cute.Tensor, kr: cute.Tensor, mqk: cute.Tensor,
-               vv: cute.Tensor, w_hi: cute.Tensor, w_lo: cute.Tensor, decay: cute.Tensor,
+               v: cute.Tensor, w_hi: cute.Tensor, w_lo: cute.Tensor, decay: cute.Tensor,
                cu_seqlens: cute.Tensor,
                initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor,
                num_seqs: Int32, dense_len: Int32, flags: Int32, stream):
@@ -225,8 +246,12 @@ class ChunkRecurrence:
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # kr rows are tokens with k contiguous; the MMA wants it as [k, tokens].
         kr_nk = cute.make_tensor(kr.iterator, cute.make_layout((HEAD_DIM, kr.shape[0]), stride=(1, HEAD_DIM)))
-        # v rows are tokens with v contiguous; the MMA wants it as [v, tokens].
-        v_mk = cute.make_tensor(vv.iterator, cute.make_layout((HEAD_DIM, vv.shape[0]), stride=(1, HEAD_DIM)))
+        # The input v [T, HV, 128] as [HV * 128 (v of every head), T], v contiguous: the MMA wants
+        # [v, tokens]; a CTA's tile is (V_SLICE values of its head, CHUNK tokens from any token).
+        # At least one token row, so that the TMA descriptor is valid when T = 0 (no tile is
+        # loaded then: every sequence is empty).
+        v_row = v.shape[1] * HEAD_DIM
+        v_mk = cute.make_tensor(v.iterator, cute.make_layout((v_row, cutlass.max(v.shape[0], 1)), stride=(1, v_row)))
         tma_kw, g_kw = cpasync.make_tiled_tma_atom(g2s, neg_kw, cute.slice_(kw_layout, (None, None, 0)), (CHUNK, HEAD_DIM))
         tma_qd, g_qd = cpasync.make_tiled_tma_atom(g2s, qd, cute.slice_(kw_layout, (None, None, 0)), (CHUNK, HEAD_DIM))
         tma_kr, g_kr = cpasync.make_tiled_tma_atom(g2s, kr_nk, cute.slice_(kr_layout, (None, None, 0)), (HEAD_DIM, CHUNK))
@@ -317,8 +342,12 @@ class ChunkRecurrence:
                                                    cute.group_modes(cute.local_tile(g_kr, (HEAD_DIM, CHUNK), (0, None)), 0, 2))
             t_mqk_s, t_mqk_g = cpasync.tma_partition(tma_mqk, 0, cute.make_layout(1), cute.group_modes(s_mqk, 0, 2),
                                                      cute.group_modes(cute.local_tile(g_mqk, (CHUNK, CHUNK), (None, 0)), 0, 2))
+            # v: tiles of CHUNK tokens from the sequence's first token (not CHUNK-aligned when
+            # packed); past the end of the tensor TMA fills zeros, and rows of the next sequence
+            # are zeroed by the consumer (zero_values_past_end).
+            g_v_seq = cute.domain_offset((0, bos), g_v)
             t_v_s, t_v_g = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(s_v, 0, 2),
-                                                 cute.group_modes(cute.local_tile(g_v, (V_SLICE, CHUNK), (vw_slice, None)), 0, 2))
+                                                 cute.group_modes(cute.local_tile(g_v_seq, (V_SLICE, CHUNK), (hv * SLICES + vw_slice, None)), 0, 2))
             t_whi_s, t_whi_g = cpasync.tma_partition(tma_whi, 0, cute.make_layout(1), cute.group_modes(s_whi, 0, 2),
                                                      cute.group_modes(cute.local_tile(g_whi, (CHUNK, CHUNK), (None, 0)), 0, 2))
             t_wlo_s, t_wlo_g = cpasync.tma_partition(tma_wlo, 0, cute.make_layout(1), cute.group_modes(s_wlo, 0, 2),
@@ -334,7 +363,7 @@ class ChunkRecurrence:
                 cute.copy(tma_qd, t_qd_g[(None, tile)], t_qd_s[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(tma_kr, t_kr_g[(None, tile)], t_kr_s[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(tma_mqk, t_mqk_g[(None, tile)], t_mqk_s[(None, state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_v, t_v_g[(None, tile)], t_v_s[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_v, t_v_g[(None, c)], t_v_s[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(tma_whi, t_whi_g[(None, tile)], t_whi_s[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(tma_wlo, t_wlo_g[(None, tile)], t_wlo_s[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(tma_dec, t_dec_g[(None, tile)], t_dec_s[(None, state.index)], tma_bar_ptr=bar)
@@ -382,11 +411,15 @@ class ChunkRecurrence:
         a_u_lo = cute.make_rmem_tensor(_acc_as_operand_layout(acc_u.layout, a_value_shape), cutlass.BFloat16)
 
         load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice, self.summary)
+        last_valid = eos - bos - (num_chunks - 1) * CHUNK  # tokens in the last chunk
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(num_chunks, unroll=1):
             loads.consumer_wait(state)
             stage = state.index
+            if c == num_chunks - 1:
+                if last_valid < CHUNK:
+                    zero_values_past_end(s_v, stage, last_valid, tidx)
             _to_operand(acc_s, a_s)
             # Decay the fp32 state now: ptxas would otherwise serialize this against the
             # batch below anyway (it treats acc_s as live wgmma output across the loop).

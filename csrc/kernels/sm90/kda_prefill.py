@@ -12,14 +12,14 @@ Workspace (one buffer, bytes, 16-byte aligned; see `workspace_bytes`):
     [0,        4096 R)   neg_kw  bf16 [R * 16, 128]
     [4096 R,   8192 R)   qd      bf16 [R * 16, 128]
     [8192 R,  12288 R)   kr      bf16 [R * 16, 128]
-    [12288 R, 16384 R)   v       bf16 [R * 16, 128]   (the chunk's v, rows past its end zero)
-    [16384 R, 16896 R)   mqk     bf16 [R * 16, 16]
-    [16896 R, 17408 R)   w_hi    bf16 [R * 16, 16]    W = (I + L)^-1 diag(beta) = w_hi + w_lo
-    [17408 R, 17920 R)   w_lo    bf16 [R * 16, 16]
-    [17920 R, 18432 R)   decay   fp32 [R, 128]
+    [12288 R, 12800 R)   mqk     bf16 [R * 16, 16]
+    [12800 R, 13312 R)   w_hi    bf16 [R * 16, 16]    W = (I + L)^-1 diag(beta) = w_hi + w_lo
+    [13312 R, 13824 R)   w_lo    bf16 [R * 16, 16]
+    [13824 R, 14336 R)   decay   fp32 [R, 128]
+(v is not copied: the recurrence reads it from the input.)
 and, in the two calls of a segmented prefill (num_seqs = N S segments; P = num_seqs * HV * 65536):
-    [18432 R, 18432 R + 2 P)         bm      fp32 [2 num_seqs, HV, 128, 128]  per segment B, M
-    [18432 R + 2 P, 18432 R + 3 P)   starts  fp32 [num_seqs, HV, 128, 128]    per segment start state
+    [14336 R, 14336 R + 2 P)         bm      fp32 [2 num_seqs, HV, 128, 128]  per segment B, M
+    [14336 R + 2 P, 14336 R + 3 P)   starts  fp32 [num_seqs, HV, 128, 128]    per segment start state
 
 Launch order: prepare (unless FLAG_SKIP_PREPARE); then the recurrence, which is the summary kernel
 followed by `combine_segments` with FLAG_SUMMARY, the ordinary kernel from `starts` with
@@ -37,7 +37,7 @@ from sm90 import chunk_recurrence, combine_segments, prepare_chunks
 
 CHUNK = 16
 HEAD_DIM = 128
-WORKSPACE_BYTES_PER_SLOT_HEAD = 4 * 4096 + 4 * 512
+WORKSPACE_BYTES_PER_SLOT_HEAD = 3 * 4096 + 4 * 512
 STATE_BYTES = HEAD_DIM * HEAD_DIM * 4  # one fp32 state [128, 128]
 # The runtime `flags` bits are defined in prepare_chunks.py (FLAG_*); csrc/prefill.h mirrors them.
 
@@ -91,24 +91,23 @@ def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tenso
     neg_kw = _region(base, rows64 * 0, _BF16, (rows * CHUNK, HEAD_DIM))
     qd = _region(base, rows64 * 4096, _BF16, (rows * CHUNK, HEAD_DIM))
     kr = _region(base, rows64 * 8192, _BF16, (rows * CHUNK, HEAD_DIM))
-    vv = _region(base, rows64 * 12288, _BF16, (rows * CHUNK, HEAD_DIM))
-    mqk = _region(base, rows64 * 16384, _BF16, (rows * CHUNK, CHUNK))
-    w_hi = _region(base, rows64 * 16896, _BF16, (rows * CHUNK, CHUNK))
-    w_lo = _region(base, rows64 * 17408, _BF16, (rows * CHUNK, CHUNK))
-    decay = _region(base, rows64 * 17920, _F32, (rows, HEAD_DIM))
+    mqk = _region(base, rows64 * 12288, _BF16, (rows * CHUNK, CHUNK))
+    w_hi = _region(base, rows64 * 12800, _BF16, (rows * CHUNK, CHUNK))
+    w_lo = _region(base, rows64 * 13312, _BF16, (rows * CHUNK, CHUNK))
+    decay = _region(base, rows64 * 13824, _F32, (rows, HEAD_DIM))
     if rows > 0 and (flags & prepare_chunks.FLAG_SKIP_PREPARE) == 0:
         # Persistent: as many CTAs as fit at once (num_sms: the device's SM count), each striding
         # over the rows.
         ctas = cutlass.min(rows, cutlass.max(num_sms, 1) * prepare_chunks.CTAS_PER_SM)
         prepare_chunks.prepare_chunks_kernel(
-            q, k, v, g, beta, a_log, dt_bias, cu_seqlens, neg_kw, qd, kr, mqk, vv, w_hi, w_lo, decay,
+            q, k, g, beta, a_log, dt_bias, cu_seqlens, neg_kw, qd, kr, mqk, w_hi, w_lo, decay,
             num_seqs, dense_len, flags, scale, lower_bound,
         ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream,
                  # All of shared memory: the persistent grid assumes CTAS_PER_SM fit at once.
                  preferred_smem_carveout=100)
     if num_seqs * num_v_heads > 0:
         # Segmented calls (num_seqs counts segments): per-segment B and M, then start states, after
-        # the eight regions above.
+        # the seven regions above.
         seg_base = rows64 * WORKSPACE_BYTES_PER_SLOT_HEAD
         seg_states = cutlass.Int64(num_seqs) * num_v_heads * STATE_BYTES
         if (flags & prepare_chunks.FLAG_SUMMARY) != 0:
@@ -117,7 +116,7 @@ def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tenso
             bm = _states(base, seg_base, 2 * num_seqs, num_v_heads)
             starts = _states(base, seg_base + 2 * seg_states, num_seqs, num_v_heads)
             recurrence(summary=True).launch(
-                neg_kw, qd, kr, mqk, vv, w_hi, w_lo, decay, cu_seqlens, initial_state, o, bm, num_seqs,
+                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, initial_state, o, bm, num_seqs,
                 dense_len, flags, stream)
             segments = (flags >> prepare_chunks.SEGMENTS_SHIFT) & 0xFF
             if segments > 0:
@@ -128,11 +127,11 @@ def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tenso
         elif (flags & prepare_chunks.FLAG_SKIP_PREPARE) != 0:
             starts = _states(base, seg_base + 2 * seg_states, num_seqs, num_v_heads)
             recurrence().launch(
-                neg_kw, qd, kr, mqk, vv, w_hi, w_lo, decay, cu_seqlens, starts, o, final_state, num_seqs,
+                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, starts, o, final_state, num_seqs,
                 dense_len, flags | prepare_chunks.FLAG_HAS_INITIAL_STATE, stream)
         else:
             recurrence().launch(
-                neg_kw, qd, kr, mqk, vv, w_hi, w_lo, decay, cu_seqlens, initial_state, o, final_state, num_seqs,
+                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, initial_state, o, final_state, num_seqs,
                 dense_len, flags, stream)
 
 

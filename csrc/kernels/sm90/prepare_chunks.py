@@ -1,7 +1,7 @@
 """KDA prefill, SM90, kernel 1 of 2: `prepare_chunks`, the token-parallel half.
 
 Work items are (chunk slot, value head) pairs; persistent CTAs of 128 threads stride over them
-(grid: up to CTAS_PER_SM per SM), prefetching the next item's raw q, k, g, v tiles with cp.async
+(grid: up to CTAS_PER_SM per SM), prefetching the next item's raw q, k, g tiles with cp.async
 into a second shared-memory stage while they process the current one. In the element-wise phases
 thread d owns key/value channel d; the 16 x 16 and 16 x 128 products run on tensor cores (warp-level
 `mma.sync m16n8k8` TF32, fp32 accumulate). It turns the raw inputs of one 16-token chunk into the
@@ -11,7 +11,7 @@ operands of the serial recurrence (`chunk_recurrence.py`), all independent of th
     L        strictly lower beta_i * sum_d k_i k_j 2^(G_i - G_j)          (smem, fp32)
     W        (I + L)^-1 diag(beta): TF32 in smem (for neg_kw); w_hi = bf16(W), w_lo = bf16(W - w_hi)
              [16, 16] bf16 each, B operands of  U^T = v^T w_hi^T + v^T w_lo^T + S^T neg_kw^T
-    v        the chunk's v as read   [16, 128] bf16   A operand of  U^T = v^T W^T + ... (rows past the end 0)
+             (v itself is not touched here: the recurrence reads it from the input)
     neg_kw   -W (k * 2^G)            [16, 128] bf16   B operand of  U^T = ... + S^T neg_kw^T
     qd       scale * q * 2^G         [16, 128] bf16   B operand of  O^T = S^T qd^T + ...
     kr       k * 2^(G_last - G)      [16, 128] bf16   B operand of  S^T += U^T kr
@@ -26,14 +26,13 @@ pair products use 2^(G_i - G_j) element-wise (i >= j, fp32 on CUDA cores).
 Rounding (tests/kda_chunk_model.py models it exactly): the fast path's factors k 2^(G-ref),
 q 2^(G-ref), k 2^(ref-G) go to the TF32 MMA as fp32 bits (the tensor core truncates them to
 TF32); on both paths W and k 2^G are rounded to TF32 (round to nearest, ties away) for neg_kw;
-the recurrence gets W as hi + lo bf16 halves (~16 bits) and v as read. Products accumulate in fp32.
+the recurrence gets W as hi + lo bf16 halves (~16 bits). Products accumulate in fp32.
 
 Phases per item (four CTA barriers, after the one that publishes the item's stage):
     1  q, k, g from the stage (thread d: channel d, 16 tokens), gate, cumsum; l2-norm partial sums
        (transposed warp reduction) and the fast-path vote                          -> barrier
     2  l2 norms; factor tiles into smem; qd, kr to global                          -> barrier
-    3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2);
-       v to global                                                                -> barrier
+    3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2) -> barrier
     4  warp 0: forward substitution for W (TF32 to smem, hi / lo to global); every thread: its
        channel of k 2^G as a token-contiguous row over factor tiles 0-1 (dead after phase 3) -> barrier
     5  W application: warp w computes channels 32 w .. 32 w + 31 of neg_kw
@@ -89,20 +88,19 @@ GATE_MODE_SHIFT = 8  # bits 8..9: 0 pre-activated, 1 softplus, 2 lower-bound*sig
 SEGMENTS_SHIFT = 16  # bits 16..23: S, segments per sequence, in SUMMARY and SKIP_PREPARE calls
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
-# the next item's raw q, k, g, v tiles (cp.async, 16 bytes per copy) while it works on the current
+# the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
 # one. Measured on the H200 (96 heads x 8K, prepare alone): 3 CTAs per SM 673 us; 4 CTAs per SM
 # (one factor tile and one operand tile moved into the item's stage to fit) 639 us.
-CTAS_PER_SM = 4       # what shared memory (4 x 53.1 KB) and registers (128 a thread) allow
-INPUT_TILES = 4       # q, k, g, v
+CTAS_PER_SM = 4       # what registers (128 a thread) allow; shared memory: 4 x 43.9 KB
+INPUT_TILES = 3       # q, k, g (v goes from the input straight to the recurrence)
 INPUT_STAGES = 2
-INPUT_STAGES_BYTES = INPUT_STAGES * INPUT_TILES * CHUNK * HEAD_DIM * 2   # 32 768
-COPIES_PER_THREAD = INPUT_TILES * CHUNK * HEAD_DIM // 8 // THREADS      # 8 x 16 bytes
+INPUT_STAGES_BYTES = INPUT_STAGES * INPUT_TILES * CHUNK * HEAD_DIM * 2   # 24 576
+COPIES_PER_THREAD = INPUT_TILES * CHUNK * HEAD_DIM // 8 // THREADS      # 6 x 16 bytes
 
 # Phases 2-3 use three factor tiles [16 tokens, 128 channels] fp32 (rows of FACTOR_PITCH words),
 # phases 4-5 one operand tile k 2^G [128 channels, 16 tokens] fp32 (rows of OPERAND_PITCH words).
 # Two factor tiles, then the operand tile, live in the CTA's own region; the third factor tile in
-# the current input stage, over its q, k, g tiles (dead once phase 1 has read them; the stage's v
-# tile, read in phase 3, lies after them).
+# the current input stage, over its q, k, g tiles (dead once phase 1 has read them).
 FACTOR_TILE_BYTES = CHUNK * FACTOR_PITCH * 4      # 8 448
 OPERAND_TILE_BYTES = HEAD_DIM * OPERAND_PITCH * 4  # 10 240
 FACTOR_TILES_BYTES = 2 * FACTOR_TILE_BYTES         # the CTA's own region: 16 896
@@ -237,9 +235,9 @@ def advance_item(slot: Int32, hv: Int32, hq: Int32, r: Int32, step_slot: Int32, 
 
 @cute.jit
 def issue_input_loads(load_atom: cute.CopyAtom, s_stage: cute.Tensor, q: cute.Tensor, k: cute.Tensor,
-                      g: cute.Tensor, v: cute.Tensor, tok0: Int32, valid: Int32, hq: Int32, hv: Int32,
+                      g: cute.Tensor, tok0: Int32, valid: Int32, hq: Int32, hv: Int32,
                       tid: Int32):
-    """cp.async the chunk's q, k, g, v tiles [16 tokens, 128] into one input stage, 16 bytes per
+    """cp.async the chunk's q, k, g tiles [16 tokens, 128] into one input stage, 16 bytes per
     copy; rows past the chunk's last valid token repeat that token (zeroed after loading)."""
     if valid > 0:
         for j in cutlass.range_constexpr(COPIES_PER_THREAD):
@@ -248,7 +246,7 @@ def issue_input_loads(load_atom: cute.CopyAtom, s_stage: cute.Tensor, q: cute.Te
             row = piece // (HEAD_DIM // 8)
             col = piece % (HEAD_DIM // 8)
             t = tok0 + cutlass.min(row, valid - 1)
-            src = (q, k, g, v)[tile][t, (hq, hq, hv, hv)[tile], None]
+            src = (q, k, g)[tile][t, (hq, hq, hv)[tile], None]
             cute.copy(load_atom, cute.local_tile(src, (8,), (col,)),
                       cute.local_tile(s_stage[tile, row, None], (8,), (col,)))
 
@@ -306,7 +304,6 @@ def load_head_scalars(beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tenso
 def prepare_chunks_kernel(
     q: cute.Tensor,          # [T, H, 128] bf16
     k: cute.Tensor,          # [T, H, 128] bf16
-    v: cute.Tensor,          # [T, HV, 128] bf16
     g: cute.Tensor,          # [T, HV, 128] bf16
     beta: cute.Tensor,       # [T, HV] bf16
     a_log: cute.Tensor,      # [HV] fp32
@@ -316,7 +313,6 @@ def prepare_chunks_kernel(
     qd_out: cute.Tensor,      # [R * 16, 128] bf16
     kr_out: cute.Tensor,      # [R * 16, 128] bf16
     mqk_out: cute.Tensor,     # [R * 16, 16] bf16
-    v_out: cute.Tensor,       # [R * 16, 128] bf16
     w_hi_out: cute.Tensor,    # [R * 16, 16] bf16
     w_lo_out: cute.Tensor,    # [R * 16, 16] bf16
     decay_out: cute.Tensor,   # [R, 128] fp32
@@ -333,14 +329,14 @@ def prepare_chunks_kernel(
     lane = cute.arch.lane_idx()
     total_tokens = q.shape[0]
     num_q_heads = q.shape[1]
-    num_v_heads = v.shape[1]
+    num_v_heads = g.shape[1]
     group = num_v_heads // num_q_heads
     varlen = (flags & FLAG_VARLEN) != 0
     gate_mode = (flags >> GATE_MODE_SHIFT) & 3
     items = (total_tokens // CHUNK + num_seqs) * num_v_heads
 
     smem = cutlass.memory.SmemAllocator()
-    # Raw input tiles, two stages of [q, k, g, v][16 tokens][128] bf16: 2 x 16 384 B.
+    # Raw input tiles, two stages of [q, k, g][16 tokens][128] bf16: 2 x 12 288 B.
     s_in = smem.allocate_tensor(
         cutlass.BFloat16,
         cute.make_layout((INPUT_STAGES, INPUT_TILES, CHUNK, HEAD_DIM),
@@ -380,7 +376,7 @@ def prepare_chunks_kernel(
     item = first_item
     tok0, valid, seq, bos, eos, next_base = locate_item(
         item, slot, items, cu_seqlens, num_seqs, dense_len, total_tokens, varlen, seq, bos, eos, next_base)
-    issue_input_loads(load_atom, s_in[0, None, None, None], q, k, g, v, tok0, valid, hq, hv, d)
+    issue_input_loads(load_atom, s_in[0, None, None, None], q, k, g, tok0, valid, hq, hv, d)
     cute.arch.cp_async_commit_group()
     beta_raw, a_log_hv, bias = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, gate_mode)
     stage = Int32(0)
@@ -388,14 +384,14 @@ def prepare_chunks_kernel(
         cute.arch.cp_async_wait_group(0)   # this thread's copies of the current item have landed
         cute.arch.sync_threads()           # ... and everyone else's; and the item before is done
         # Prefetch the next item into the other stage, after the barrier: the item before this
-        # one used that stage (factor tile 2, raw v) up to its phase 3.
+        # one used that stage (factor tile 2) up to its phase 3.
         next_item = item + num_ctas
         n_slot, n_hv, n_hq, n_r = advance_item(slot, hv, hq, r, step_slot, step_hv, step_hq, step_r,
                                                group, num_v_heads, num_q_heads)
         n_tok0, n_valid, seq, bos, eos, next_base = locate_item(
             next_item, n_slot, items, cu_seqlens, num_seqs, dense_len, total_tokens, varlen,
             seq, bos, eos, next_base)
-        issue_input_loads(load_atom, s_in[1 - stage, None, None, None], q, k, g, v, n_tok0, n_valid,
+        issue_input_loads(load_atom, s_in[1 - stage, None, None, None], q, k, g, n_tok0, n_valid,
                           n_hq, n_hv, d)
         cute.arch.cp_async_commit_group()
         n_beta_raw, n_a_log_hv, n_bias = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid, n_hv,
@@ -403,7 +399,7 @@ def prepare_chunks_kernel(
         if valid > 0:
             prepare_one(s_in[stage, None, None, None], s_fac, s_lower,
                         s_w_bits, s_beta, s_norm, s_rnorm, s_fast,
-                        neg_kw_out, qd_out, kr_out, mqk_out, v_out, w_hi_out, w_lo_out, decay_out,
+                        neg_kw_out, qd_out, kr_out, mqk_out, w_hi_out, w_lo_out, decay_out,
                         slot, hv, valid, beta_raw, a_log_hv, bias, num_v_heads, d, warp, lane,
                         flags, gate_mode, scale, lower_bound)
         item = next_item
@@ -418,7 +414,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
                 s_beta: cute.Tensor,
                 s_norm: cute.Tensor, s_rnorm: cute.Tensor, s_fast: cute.Tensor,
                 neg_kw_out: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
-                v_out: cute.Tensor, w_hi_out: cute.Tensor, w_lo_out: cute.Tensor, decay_out: cute.Tensor,
+                w_hi_out: cute.Tensor, w_lo_out: cute.Tensor, decay_out: cute.Tensor,
                 slot: Int32, hv: Int32, valid: Int32, beta_raw: cutlass.BFloat16, a_log_hv: Float32,
                 bias: Float32,
                 num_v_heads: Int32, d: Int32, warp: Int32, lane: Int32, flags: Int32, gate_mode: Int32,
@@ -545,14 +541,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
     decay_out[slot * num_v_heads + hv, d] = cute.math.exp2(g_last, fastmath=True)
     cute.arch.sync_threads()
 
-    # ---- Phase 3: pair products A_kk (-> L) and Mqk; v copied to the workspace (bf16, as read;
-    # rows past the chunk's end zero), for the recurrence's U = W v.
-    for i in cutlass.range_constexpr(CHUNK):
-        v_i = s_stage[3, i, d]
-        if valid < CHUNK:
-            if i > last:
-                v_i = cutlass.BFloat16(0.0)
-        v_out[row0 + i, d] = v_i
+    # ---- Phase 3: pair products A_kk (-> L) and Mqk.
     mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaTF32Op((16, 8, MMA_K)))
     thr = mma.get_slice(lane)
     crd_c = thr.partition_C(cute.make_identity_tensor((CHUNK, 8)))
