@@ -17,7 +17,9 @@ in place.
 counts segments as sequences. A summary call returns an empty o and an empty final state: it leaves
 every segment's start state in its workspace, and takes the sequences' initial state (one entry per
 sequence, K-first fp32) when there is one. An apply call takes that call's workspace as its last
-operand (aliased to its own workspace result) and runs only the recurrence, from those starts.
+operand (aliased to its own workspace result) and runs only the recurrence, from those starts; the
+recurrence reads v from its own operand, so it must be given the summary call's v (and its
+cu_seqlens).
 """
 
 from __future__ import annotations

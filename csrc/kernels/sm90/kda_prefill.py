@@ -5,7 +5,8 @@ that serves every shape and flag combination: all sizes are symbolic, every flag
 of `flags`. The exported C function launches `prepare_chunks` then `chunk_recurrence` on the
 caller's stream, and launches nothing when the grid would be empty. With FLAG_SKIP_PREPARE the workspace already holds
 prepare's operands and only the recurrence runs (the second call of a segmented prefill, see
-jax_kda/context_parallel.py). Build-time only (imports the DSL).
+jax_kda/context_parallel.py); it still reads v, which must be the summary call's v. Build-time
+only (imports the DSL).
 
 Workspace (one buffer, bytes, 16-byte aligned; see `workspace_bytes`):
     R = (total_tokens // 16 + num_seqs) * HV           chunk slots x value heads
@@ -103,7 +104,8 @@ def launch_prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tenso
             q, k, g, beta, a_log, dt_bias, cu_seqlens, neg_kw, qd, kr, mqk, w_hi, w_lo, decay,
             num_seqs, dense_len, flags, scale, lower_bound,
         ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream,
-                 # All of shared memory: the persistent grid assumes CTAS_PER_SM fit at once.
+                 # The largest carveout: the persistent grid assumes CTAS_PER_SM fit at once
+                 # (4 x (44 944 + 1 024 reserved) B of shared memory).
                  preferred_smem_carveout=100)
     if num_seqs * num_v_heads > 0:
         # Segmented calls (num_seqs counts segments): per-segment B and M, then start states, after

@@ -89,9 +89,10 @@ SEGMENTS_SHIFT = 16  # bits 16..23: S, segments per sequence, in SUMMARY and SKI
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
-# one. Measured on the H200 (96 heads x 8K, prepare alone): 3 CTAs per SM 673 us; 4 CTAs per SM
-# (one factor tile and one operand tile moved into the item's stage to fit) 639 us.
-CTAS_PER_SM = 4       # what registers (128 a thread) allow; shared memory: 4 x 43.9 KB
+# one. Measured on the H200 (96 heads x 8K, prepare alone, version 8): 3 CTAs per SM 673 us; 4 CTAs
+# per SM 639 us. Since v left the stages a CTA needs 44 944 B of shared memory, so registers (128
+# a thread for 4 CTAs of 128 threads) are the limit; 5 CTAs held to 96 registers measured no faster.
+CTAS_PER_SM = 4
 INPUT_TILES = 3       # q, k, g (v goes from the input straight to the recurrence)
 INPUT_STAGES = 2
 INPUT_STAGES_BYTES = INPUT_STAGES * INPUT_TILES * CHUNK * HEAD_DIM * 2   # 24 576
@@ -105,7 +106,8 @@ FACTOR_TILE_BYTES = CHUNK * FACTOR_PITCH * 4      # 8 448
 OPERAND_TILE_BYTES = HEAD_DIM * OPERAND_PITCH * 4  # 10 240
 FACTOR_TILES_BYTES = 2 * FACTOR_TILE_BYTES         # the CTA's own region: 16 896
 assert OPERAND_TILE_BYTES <= FACTOR_TILES_BYTES
-assert max(FACTOR_TILE_BYTES, OPERAND_TILE_BYTES) <= 3 * CHUNK * HEAD_DIM * 2  # stage q, k, g
+assert FACTOR_TILE_BYTES <= INPUT_TILES * CHUNK * HEAD_DIM * 2  # factor tile 2 over the stage's q, k, g
+assert COPIES_PER_THREAD == 2 * INPUT_TILES  # issue_input_loads: two 16-byte copies per thread and tile
 
 
 def shared_memory_bytes() -> int:
