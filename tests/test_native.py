@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pathlib
 import re
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,7 @@ import pytest
 from jaxlib import xla_client
 
 from jax_kda import _native
+from jax_kda._cubin import cubin_arch, embedded_cubins, register_counts
 from jax_kda.config import GateMode
 from jax_kda.gate_kernel import FFI_TARGET, gate_activation
 
@@ -47,39 +47,34 @@ def test_running_jaxlib_accepts_the_extension_ffi_api():
     assert _native.ffi_api_incompatibility(built, _native.runtime_ffi_api_version()) is None
 
 
-def _embedded_cubin_archs(path: pathlib.Path) -> list[str]:
-    """The SM architectures of the CUDA ELF images (cubins) inside a host binary.
-
-    The AOT-exported objects embed each cubin whole, so the images are found by their ELF header:
-    e_machine 190 (EM_CUDA). The architecture is in e_flags, encoded per CUDA ELF ABI: before sm_100
-    (EI_OSABI 0x33) the SM is bits 0-7 and 0x800 marks an "a" (arch-specific) target; from sm_100
-    (EI_OSABI 0x41) the SM is bits 8-15 and 0x8 marks "a".
-    """
-    data = path.read_bytes()
-    archs = []
-    start = data.find(b"\x7fELF")
-    while start >= 0:
-        (machine,) = struct.unpack_from("<H", data, start + 18)
-        if machine == 190:
-            osabi = data[start + 7]
-            (flags,) = struct.unpack_from("<I", data, start + 48)
-            if osabi == 0x41:
-                sm, specific = (flags >> 8) & 0xFF, bool(flags & 0x8)
-            else:
-                sm, specific = flags & 0xFF, bool(flags & 0x800)
-            archs.append(f"sm_{sm}{'a' if specific else ''}")
-        start = data.find(b"\x7fELF", start + 4)
-    return archs
-
-
 @requires_extension
 def test_extension_embeds_a_cubin_for_each_compiled_architecture():
     # One cubin per exported (kernel, arch): the gate kernel for both architectures, the prefill
     # for each (wgmma on sm_90a, warp-level MMAs on sm_100a), and the sm_100a prefill's kernels
     # built for sm_90a as well (so that Hopper can test them).
-    path = pathlib.Path(_native.load().__file__)
-    assert sorted(_embedded_cubin_archs(path)) == ["sm_100a", "sm_100a", "sm_90a", "sm_90a", "sm_90a"]
-    assert set(_embedded_cubin_archs(path)) == set(_native.compiled_archs())
+    archs = [cubin_arch(c) for c in embedded_cubins(pathlib.Path(_native.load().__file__).read_bytes())]
+    assert sorted(archs) == ["sm_100a", "sm_100a", "sm_90a", "sm_90a", "sm_90a"]
+    assert set(archs) == set(_native.compiled_archs())
+
+
+# Registers a thread may use for the occupancy each prefill kernel is built around (65 536 registers
+# per SM on sm_90a and sm_100a, split among 4 schedulers): prepare's persistent grid assumes 4 CTAs of
+# 128 threads per SM (csrc/kernels/sm90/prepare_chunks.py, CTAS_PER_SM); two 160-thread recurrence
+# CTAs share an SM only up to 168 (two 5-warp CTAs put 3 warps on one scheduler). A compiler update
+# that crossed these would silently halve the speed; nothing else would notice.
+OCCUPANCY_REGISTERS = {"prepare_chunks": 128, "chunk_recurrence": 168}
+
+
+@requires_extension
+def test_embedded_prefill_kernels_fit_their_occupancy():
+    seen = set()
+    for cubin in embedded_cubins(pathlib.Path(_native.load().__file__).read_bytes()):
+        for kernel, registers in register_counts(cubin).items():
+            for part, limit in OCCUPANCY_REGISTERS.items():
+                if part in kernel:
+                    seen.add(part)
+                    assert registers <= limit, f"{cubin_arch(cubin)} {kernel}: {registers} registers > {limit}"
+    assert seen == set(OCCUPANCY_REGISTERS)
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,10 @@ MMA_WARPS = 4
 class ChunkRecurrenceMma(ChunkRecurrence):
     """The sm90 kernel with its MMA warpgroup replaced by four warps of mma.sync."""
 
+    # Two CTAs per SM: unbounded, ptxas for sm_100a gave this kernel 255 registers (one CTA per SM;
+    # 142 for sm_90a from the same PTX). The bound holds it to the 168 that two 160-thread CTAs allow.
+    min_blocks_per_sm = 2
+
     def make_mmas(self):
         # One tiled MMA serves every product: 4 warps along M (64 rows of v), and a 16-wide
         # N tile per warp (two n8 atoms) so that one ldmatrix.x4 feeds a k-block of B.

@@ -160,7 +160,8 @@ def zero_values_past_end(s_v: cute.Tensor, stage: Int32, valid: Int32, tidx: Int
     first tokens (TMA reads the whole 16-token box from the input). Zero those rows of the
     stage before any MMA reads them, so that they add exact zeros (W's columns for them are zero)
     even when the next sequence's values are not finite. The fence orders these generic-proxy
-    writes before the async-proxy reads (wgmma) and before the stage's next TMA write."""
+    writes before the async-proxy reads (wgmma); the stage is not refilled after a CTA's last
+    chunk, but if it were, the same fence would order them before that TMA write."""
     # One 16-byte store a thread: token tt, values 8 part .. 8 part + 7 (contiguous under the
     # tile's 128-byte swizzle, which moves whole 16-byte units).
     tt = tidx // (V_SLICE // 8)
@@ -203,6 +204,11 @@ def store_output(acc_o: cute.Tensor, crd_t: cute.Tensor, s_out: cute.Tensor, o: 
 
 class ChunkRecurrence:
     """Host-side setup (TMA atoms, smem layouts, MMAs) and the device kernel."""
+
+    # Launch bound: None here (ptxas lands on exactly 168 registers, the most that lets two CTAs
+    # share an SM; with the bound it spilled 8 bytes). Subclasses may set 2 to have ptxas hold them
+    # to those 168 registers.
+    min_blocks_per_sm = None
 
     def __init__(self, summary: bool = False):
         # summary: the phase-1 kernel of a segmented prefill (twice the V slices, B and M stored
@@ -276,6 +282,10 @@ class ChunkRecurrence:
             s_out: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(out_layout)], 128]
 
         num_v_heads = o.shape[1]
+        # With a launch bound, the carveout too (the DSL would otherwise ask a GPU for it; both
+        # CTAs' shared memory must fit).
+        bound = {} if self.min_blocks_per_sm is None else dict(
+            min_blocks_per_mp=self.min_blocks_per_sm, preferred_smem_carveout=100)
         self.kernel(
             self.mma_tok, self.mma_state, self.mma_vw,
             tma_kw, g_kw, tma_qd, g_qd, tma_kr, g_kr, tma_mqk, g_mqk, tma_v, g_v, tma_whi, g_whi,
@@ -284,7 +294,7 @@ class ChunkRecurrence:
             cu_seqlens, initial_state, o, final_state, num_seqs, dense_len, flags,
             SharedStorage, stage_bytes,
         ).launch(grid=[SLICES * (2 if self.summary else 1), num_v_heads, num_seqs],
-                 block=[THREADS, 1, 1], stream=stream)
+                 block=[THREADS, 1, 1], stream=stream, **bound)
 
     @cute.kernel
     def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mma_vw: cute.TiledMma,
@@ -331,7 +341,7 @@ class ChunkRecurrence:
 
         vw_slice = v_slice
         if cutlass.const_expr(self.summary):
-            vw_slice = v_slice % SLICES  # the transition slices load (and ignore) slice 0's values
+            vw_slice = v_slice % SLICES  # the transition slices load (and ignore) slice v_slice - SLICES's values
         if warp == PRODUCER_WARP:
             # TMA producer: one stage per chunk, all eight operands on one transaction barrier.
             t_kw_s, t_kw_g = cpasync.tma_partition(tma_kw, 0, cute.make_layout(1), cute.group_modes(s_kw, 0, 2),

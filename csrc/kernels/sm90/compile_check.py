@@ -11,49 +11,23 @@ Exits non-zero when compilation fails or a kernel spills.
 
 import ctypes
 import glob
+import importlib.util
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 
 
 def cubin_register_counts(path):
-    """{kernel name: registers} from the cubin: EIATTR_REGCOUNT entries of `.nv.info`, keyed by
-    symbol index, matched to `.text.<kernel>` sections through their sh_info (symbol index)."""
-    data = open(path, "rb").read()
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    names_off = headers[shstrndx][4]
-
-    def name(offset):
-        end = data.index(b"\0", names_off + offset)
-        return data[names_off + offset:end].decode()
-
-    regs_by_symbol, kernel_by_symbol = {}, {}
-    for h in headers:
-        section = name(h[0])
-        if section.startswith(".text."):
-            kernel_by_symbol[h[7]] = section[len(".text."):]
-        if section == ".nv.info":
-            i, stop = h[4], h[4] + h[5]
-            while i < stop:
-                fmt, attr = data[i], data[i + 1]
-                if fmt == 0x04:  # EIFMT_SVAL: u16 size, payload
-                    size, = struct.unpack_from("<H", data, i + 2)
-                    if attr == 0x2F:  # EIATTR_REGCOUNT: (symbol index, registers)
-                        symbol, regs = struct.unpack_from("<II", data, i + 4)
-                        regs_by_symbol[symbol] = regs
-                    i += 4 + size
-                elif fmt == 0x03:  # EIFMT_HVAL
-                    i += 4
-                elif fmt == 0x02:  # EIFMT_BVAL
-                    i += 3
-                else:
-                    i += 2
-    return {kernel_by_symbol[s]: r for s, r in regs_by_symbol.items() if s in kernel_by_symbol}
+    """{kernel name: registers} stored in the cubin at `path` (jax_kda/_cubin.py, loaded by path:
+    this tool runs where jax_kda need not be importable)."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    spec = importlib.util.spec_from_file_location("jax_kda_cubin", os.path.join(repo, "jax_kda", "_cubin.py"))
+    cubin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cubin)
+    with open(path, "rb") as f:
+        return cubin.register_counts(f.read())
 
 
 def ptxas_usage(ptx_path):
@@ -110,6 +84,14 @@ def main():
         "chunk_recurrence": chunk_recurrence.shared_memory_bytes(),
         "combine_segments": " / ".join(str(combine_segments.shared_memory_bytes(c)) for c in combine_segments.V_BLOCKS),
     }
+    # Registers a thread may use and keep the occupancy the kernels are built around: prepare's
+    # persistent grid assumes CTAS_PER_SM CTAs per SM; two 160-thread recurrence CTAs share an SM
+    # only up to 168 registers (the register file is split among the 4 schedulers, and two 5-warp
+    # CTAs put 3 warps on one). Nothing else would notice a compiler update that crossed them.
+    max_registers = {
+        "prepare_chunks": 65536 // (prepare_chunks.CTAS_PER_SM * prepare_chunks.THREADS) // 8 * 8,
+        "chunk_recurrence": 168,
+    }
     ok = True
     for ptx in glob.glob(os.path.join(dump_dir, "*.ptx")):
         usage = ptxas_usage(ptx)
@@ -120,11 +102,15 @@ def main():
             print(f"{name:18s} registers {stored.get(kernel)} in cubin ({regs} with local ptxas), "
                   f"spills {spill_st}/{spill_ld} B store/load, dynamic smem {smem.get(name, 0)} B")
             ok &= spill_st == 0 and spill_ld == 0
+            used = stored.get(kernel) or regs
+            if used > max_registers.get(name, 255):
+                print(f"{name}: {used} registers, more than the {max_registers[name]} its occupancy needs")
+                ok = False
         if cubins and shutil.which("cuobjdump"):
             print(subprocess.run(["cuobjdump", "-res-usage", cubins[0]], capture_output=True,
                                  text=True).stdout)
     if not ok:
-        sys.exit("compile check failed: a kernel spills")
+        sys.exit("compile check failed: a kernel spills or needs more registers than its occupancy allows")
     print("compile check passed")
 
 

@@ -1,0 +1,88 @@
+"""Reading CUDA ELF images (cubins): the ones embedded in a host binary, their architecture, and the
+registers each kernel uses. Standard library only, so that build-time tools can load this file
+by path without importing jax_kda (csrc/kernels/sm90/compile_check.py does); the tests use it to
+check the built extension.
+"""
+
+from __future__ import annotations
+
+import struct
+
+EM_CUDA = 190
+_EIFMT_BVAL, _EIFMT_HVAL, _EIFMT_SVAL = 0x02, 0x03, 0x04
+_EIATTR_REGCOUNT = 0x2F
+
+
+def _section_headers(elf: bytes, start: int = 0) -> list[tuple]:
+    """The ELF64 section headers of the image at `start` (offsets relative to it)."""
+    (shoff,) = struct.unpack_from("<Q", elf, start + 0x28)
+    shentsize, shnum, _ = struct.unpack_from("<HHH", elf, start + 0x3A)
+    return [struct.unpack_from("<IIQQQQIIQQ", elf, start + shoff + i * shentsize) for i in range(shnum)]
+
+
+def embedded_cubins(data: bytes) -> list[bytes]:
+    """Every CUDA ELF image inside `data` (an extension module, an object file), as its own bytes.
+
+    The AOT-exported objects embed each cubin whole, so the images are found by their ELF header
+    (e_machine EM_CUDA) and end where the last of their sections or section headers ends."""
+    cubins = []
+    start = data.find(b"\x7fELF")
+    while start >= 0:
+        (machine,) = struct.unpack_from("<H", data, start + 18)
+        if machine == EM_CUDA:
+            (shoff,) = struct.unpack_from("<Q", data, start + 0x28)
+            shentsize, shnum, _ = struct.unpack_from("<HHH", data, start + 0x3A)
+            end = shoff + shnum * shentsize
+            for h in _section_headers(data, start):
+                if h[1] != 8:  # SHT_NOBITS occupies no bytes in the file
+                    end = max(end, h[4] + h[5])
+            cubins.append(data[start:start + end])
+        start = data.find(b"\x7fELF", start + 4)
+    return cubins
+
+
+def cubin_arch(cubin: bytes) -> str:
+    """`sm_90a`, `sm_100a`, ...: the architecture in e_flags, encoded per CUDA ELF ABI. Before sm_100
+    (EI_OSABI 0x33) the SM is bits 0-7 and 0x800 marks an "a" (arch-specific) target; from sm_100
+    (EI_OSABI 0x41) the SM is bits 8-15 and 0x8 marks "a"."""
+    (flags,) = struct.unpack_from("<I", cubin, 48)
+    if cubin[7] == 0x41:
+        sm, specific = (flags >> 8) & 0xFF, bool(flags & 0x8)
+    else:
+        sm, specific = flags & 0xFF, bool(flags & 0x800)
+    return f"sm_{sm}{'a' if specific else ''}"
+
+
+def register_counts(cubin: bytes) -> dict[str, int]:
+    """{kernel name: registers per thread}: the EIATTR_REGCOUNT entries of `.nv.info` (keyed by
+    symbol index), matched to the `.text.<kernel>` sections through their sh_info."""
+    headers = _section_headers(cubin)
+    (shstrndx,) = struct.unpack_from("<H", cubin, 0x3E)
+    names_off = headers[shstrndx][4]
+
+    def name(offset):
+        end = cubin.index(b"\0", names_off + offset)
+        return cubin[names_off + offset:end].decode()
+
+    regs_by_symbol, kernel_by_symbol = {}, {}
+    for h in headers:
+        section = name(h[0])
+        if section.startswith(".text."):
+            kernel_by_symbol[h[7]] = section[len(".text."):]
+        if section == ".nv.info":
+            i, stop = h[4], h[4] + h[5]
+            while i < stop:
+                fmt, attr = cubin[i], cubin[i + 1]
+                if fmt == _EIFMT_SVAL:  # u16 size, then the payload
+                    (size,) = struct.unpack_from("<H", cubin, i + 2)
+                    if attr == _EIATTR_REGCOUNT:  # (symbol index, registers)
+                        symbol, regs = struct.unpack_from("<II", cubin, i + 4)
+                        regs_by_symbol[symbol] = regs
+                    i += 4 + size
+                elif fmt == _EIFMT_HVAL:
+                    i += 4
+                elif fmt == _EIFMT_BVAL:
+                    i += 3
+                else:
+                    i += 2
+    return {kernel_by_symbol[s]: r for s, r in regs_by_symbol.items() if s in kernel_by_symbol}
