@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 
 EM_CUDA = 190
-_EIFMT_BVAL, _EIFMT_HVAL, _EIFMT_SVAL = 0x02, 0x03, 0x04
+_EIFMT_NVAL, _EIFMT_BVAL, _EIFMT_HVAL, _EIFMT_SVAL = 0x01, 0x02, 0x03, 0x04
 _EIATTR_REGCOUNT = 0x2F
 
 
@@ -24,7 +24,8 @@ def embedded_cubins(data: bytes) -> list[bytes]:
     """Every CUDA ELF image inside `data` (an extension module, an object file), as its own bytes.
 
     The AOT-exported objects embed each cubin whole, so the images are found by their ELF header
-    (e_machine EM_CUDA) and end where the last of their sections or section headers ends."""
+    (e_machine EM_CUDA) and end where the last of their sections, section headers or program
+    headers ends."""
     cubins = []
     start = data.find(b"\x7fELF")
     while start >= 0:
@@ -32,7 +33,9 @@ def embedded_cubins(data: bytes) -> list[bytes]:
         if machine == EM_CUDA:
             (shoff,) = struct.unpack_from("<Q", data, start + 0x28)
             shentsize, shnum, _ = struct.unpack_from("<HHH", data, start + 0x3A)
-            end = shoff + shnum * shentsize
+            (phoff,) = struct.unpack_from("<Q", data, start + 0x20)
+            phentsize, phnum = struct.unpack_from("<HH", data, start + 0x36)
+            end = max(shoff + shnum * shentsize, phoff + phnum * phentsize)
             for h in _section_headers(data, start):
                 if h[1] != 8:  # SHT_NOBITS occupies no bytes in the file
                     end = max(end, h[4] + h[5])
@@ -79,10 +82,23 @@ def register_counts(cubin: bytes) -> dict[str, int]:
                         symbol, regs = struct.unpack_from("<II", cubin, i + 4)
                         regs_by_symbol[symbol] = regs
                     i += 4 + size
-                elif fmt == _EIFMT_HVAL:
+                elif fmt in (_EIFMT_NVAL, _EIFMT_BVAL, _EIFMT_HVAL):  # format, attribute, 2 bytes
                     i += 4
-                elif fmt == _EIFMT_BVAL:
-                    i += 3
                 else:
-                    i += 2
+                    raise ValueError(f".nv.info: unknown attribute format {fmt:#x} at byte {i}")
+            if i != stop:
+                raise ValueError(".nv.info: attribute walk overran its section")
     return {kernel_by_symbol[s]: r for s, r in regs_by_symbol.items() if s in kernel_by_symbol}
+
+
+def max_registers(ctas_per_sm: int, threads_per_cta: int, registers_per_sm: int = 65536,
+                  schedulers: int = 4) -> int:
+    """The most registers a thread may use for `ctas_per_sm` CTAs to fit on one SM (sm_90, sm_100):
+    each of the 4 schedulers has a quarter of the register file, allocated per warp in units of
+    256 registers, and a CTA's warps are spread over them (two 5-warp CTAs: 168, not 204)."""
+    warps = -(-threads_per_cta // 32)
+    for registers in range(255, 0, -1):
+        per_warp = -(-32 * registers // 256) * 256
+        if (registers_per_sm // schedulers // per_warp) * schedulers // warps >= ctas_per_sm:
+            return registers
+    return 0

@@ -19,15 +19,19 @@ import subprocess
 import sys
 
 
-def cubin_register_counts(path):
-    """{kernel name: registers} stored in the cubin at `path` (jax_kda/_cubin.py, loaded by path:
-    this tool runs where jax_kda need not be importable)."""
+def load_cubin_module():
+    """jax_kda/_cubin.py, loaded by path: this tool runs where jax_kda need not be importable."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     spec = importlib.util.spec_from_file_location("jax_kda_cubin", os.path.join(repo, "jax_kda", "_cubin.py"))
-    cubin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cubin)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cubin_register_counts(path):
+    """{kernel name: registers} stored in the cubin at `path`."""
     with open(path, "rb") as f:
-        return cubin.register_counts(f.read())
+        return load_cubin_module().register_counts(f.read())
 
 
 def ptxas_usage(ptx_path):
@@ -85,12 +89,12 @@ def main():
         "combine_segments": " / ".join(str(combine_segments.shared_memory_bytes(c)) for c in combine_segments.V_BLOCKS),
     }
     # Registers a thread may use and keep the occupancy the kernels are built around: prepare's
-    # persistent grid assumes CTAS_PER_SM CTAs per SM; two 160-thread recurrence CTAs share an SM
-    # only up to 168 registers (the register file is split among the 4 schedulers, and two 5-warp
-    # CTAs put 3 warps on one). Nothing else would notice a compiler update that crossed them.
+    # persistent grid assumes CTAS_PER_SM CTAs per SM, the recurrence two per SM (the same check
+    # as tests/test_native.py's on the built extension, which also covers sm_100a).
+    occupancy = load_cubin_module().max_registers
     max_registers = {
-        "prepare_chunks": 65536 // (prepare_chunks.CTAS_PER_SM * prepare_chunks.THREADS) // 8 * 8,
-        "chunk_recurrence": 168,
+        "prepare_chunks": occupancy(prepare_chunks.CTAS_PER_SM, prepare_chunks.THREADS),
+        "chunk_recurrence": occupancy(2, chunk_recurrence.THREADS),
     }
     ok = True
     for ptx in glob.glob(os.path.join(dump_dir, "*.ptx")):
