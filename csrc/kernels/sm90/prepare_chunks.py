@@ -287,8 +287,8 @@ def load_fragments(tile: cute.Tensor, row: Int32, col: Int32, frag: cute.Tensor,
 def load_head_scalars(beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, tok0: Int32,
                       valid: Int32, hv: Int32, d: Int32, gate_mode: Int32):
     """Thread d's raw beta of token d (d < 16, bf16), A_log[hv] and dt_bias[hv, d] for one item,
-    as loaded: they are first used after the item's CTA barrier, so the loads (issued one item
-    ahead) are never waited for."""
+    as loaded. Issued one item ahead (in the item before's phase 2), they are first used after the
+    item's CTA barrier: never waited for."""
     b = cutlass.BFloat16(0.0)
     a_log_hv = Float32(0.0)
     bias = Float32(0.0)
@@ -396,14 +396,24 @@ def prepare_chunks_kernel(
         issue_input_loads(load_atom, s_in[1 - stage, None, None, None], q, k, g, n_tok0, n_valid,
                           n_hq, n_hv, d)
         cute.arch.cp_async_commit_group()
-        n_beta_raw, n_a_log_hv, n_bias = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid, n_hv,
-                                                           d, gate_mode)
+        # The next item's beta, A_log, dt_bias are loaded inside prepare_one, after this item's
+        # last use of its own (phase 1): ptxas gives every such load one scoreboard, and the
+        # first use of this item's values (first item: still in flight from the prologue)
+        # would otherwise wait for the next item's loads just issued.
+        n_beta_raw = cutlass.BFloat16(0.0)
+        n_a_log_hv = Float32(0.0)
+        n_bias = Float32(0.0)
         if valid > 0:
-            prepare_one(s_in[stage, None, None, None], s_fac, s_lower,
-                        s_w_bits, s_beta, s_norm, s_rnorm, s_fast,
-                        neg_kw_out, qd_out, kr_out, mqk_out, w_hi_out, w_lo_out, decay_out,
-                        slot, hv, valid, beta_raw, a_log_hv, bias, num_v_heads, d, warp, lane,
-                        flags, gate_mode, scale, lower_bound)
+            n_beta_raw, n_a_log_hv, n_bias = prepare_one(
+                s_in[stage, None, None, None], s_fac, s_lower,
+                s_w_bits, s_beta, s_norm, s_rnorm, s_fast,
+                neg_kw_out, qd_out, kr_out, mqk_out, w_hi_out, w_lo_out, decay_out,
+                slot, hv, valid, beta_raw, a_log_hv, bias, num_v_heads, d, warp, lane,
+                flags, gate_mode, scale, lower_bound,
+                beta, a_log, dt_bias, n_tok0, n_valid, n_hv)
+        else:
+            n_beta_raw, n_a_log_hv, n_bias = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid,
+                                                               n_hv, d, gate_mode)
         item = next_item
         slot, hv, hq, r, tok0, valid = n_slot, n_hv, n_hq, n_r, n_tok0, n_valid
         beta_raw, a_log_hv, bias = n_beta_raw, n_a_log_hv, n_bias
@@ -420,8 +430,11 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
                 slot: Int32, hv: Int32, valid: Int32, beta_raw: cutlass.BFloat16, a_log_hv: Float32,
                 bias: Float32,
                 num_v_heads: Int32, d: Int32, warp: Int32, lane: Int32, flags: Int32, gate_mode: Int32,
-                scale: Float32, lower_bound: Float32):
-    """All five phases for one item whose raw tiles are in `s_stage` (CTA-uniform call)."""
+                scale: Float32, lower_bound: Float32,
+                beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, next_tok0: Int32,
+                next_valid: Int32, next_hv: Int32):
+    """All five phases for one item whose raw tiles are in `s_stage` (CTA-uniform call). Returns the
+    next item's (`next_*`) raw beta, A_log, dt_bias, loaded once phase 1 no longer needs this one's."""
     row0 = (slot * num_v_heads + hv) * CHUNK
     # Shared tiles (see FACTOR_TILES_BYTES): factor tiles 0, 1 and then the operand tile k 2^G in
     # s_fac; factor tile 2 at the start of the stage, over its raw q, k, g.
@@ -498,6 +511,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
     if lane == 0:
         s_fast[warp] = Int32(1) if fast_here else Int32(0)
     cute.arch.sync_threads()
+    next_scalars = load_head_scalars(beta, a_log, dt_bias, next_tok0, next_valid, next_hv, d, gate_mode)
 
     # ---- Phase 2: l2 norms, factor tiles, qd and kr.
     if l2norm:
@@ -652,3 +666,4 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
                 pair_kw[e] = (-acc_kd[2 * h + e]).to(cutlass.BFloat16)
             pair_col = (ch0 + n) // 2
             cute.autovec_copy(pair_kw, cute.local_tile(neg_kw_out[row0 + i, None], (2,), (pair_col,)))
+    return next_scalars
