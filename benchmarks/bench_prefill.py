@@ -246,7 +246,7 @@ def write_report(rows, out: pathlib.Path, device: str):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(10, 4.5))
+        fig, ax = plt.subplots(figsize=(12, 4.5))
         x = np.arange(len(rows))
         series = [("jax_kda_us", "jax_kda"), ("fla_us", "FLA chunk_kda"), ("xla_us", "jax_kda XLA path")]
         present = [(key, label) for key, label in series if any(key in r for r in rows)]
@@ -261,7 +261,7 @@ def write_report(rows, out: pathlib.Path, device: str):
         ax.set_xticks(x + 0.4 - width / 2, [r["case"] for r in rows], rotation=30, ha="right")
         ax.set_ylabel("µs per call (log)")
         ax.set_title(f"KDA prefill on {device}")
-        ax.legend()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, not over them
         fig.tight_layout()
         fig.savefig(out / "prefill.png", dpi=110)
     except ImportError:
