@@ -2,6 +2,7 @@
 
     python benchmarks/bench_prefill.py --out results/          # every case, jax_kda + FLA
     python benchmarks/bench_prefill.py --cases h96_fixed8k --xla --out results/
+    python benchmarks/bench_prefill.py --no-fla --cases h64_mixed,h64_8x1k --out results/   # testing.EXTRA_CASES
     python benchmarks/bench_prefill.py --merge a/results.json b/results.json --out merged/
 
 How it measures (printed with the results): for each implementation, K back-to-back calls on K
@@ -35,7 +36,7 @@ import numpy as np
 import jax_kda
 from jax_kda import gold, planner
 from jax_kda.config import validate
-from jax_kda.testing import BENCHMARK_GRID, Workload, hbm_floor_bytes, make_inputs
+from jax_kda.testing import BENCHMARK_CASES, BENCHMARK_GRID, Workload, hbm_floor_bytes, make_inputs
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy on the H200 (shared/GPU.md)
 L2_BYTES = 60 * 2**20
@@ -271,7 +272,8 @@ def write_report(rows, out: pathlib.Path, device: str):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(w.name for w in BENCHMARK_GRID))
+    parser.add_argument("--cases", default=",".join(w.name for w in BENCHMARK_GRID),
+                        help="comma-separated names from the grid (default: all of it) or testing.EXTRA_CASES")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--fla", action=argparse.BooleanOptionalAction, default=True)
@@ -286,12 +288,12 @@ def main():
         for run in runs:  # a later file's row for a case (or a later field) wins
             for row in run["rows"]:
                 merged[row["case"]] = {**merged.get(row["case"], {}), **row}
-        order = [w.name for w in BENCHMARK_GRID]
+        order = list(BENCHMARK_CASES)
         rows = sorted(merged.values(), key=lambda r: order.index(r["case"]))
         print(write_report(rows, args.out, runs[-1]["device"]))
         return
 
-    by_name = {w.name: w for w in BENCHMARK_GRID}
+    by_name = BENCHMARK_CASES
     device = jax.devices()[0].device_kind
     rng = np.random.default_rng()
     rows = []

@@ -18,14 +18,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import jax_kda
-from jax_kda.testing import BENCHMARK_GRID, make_inputs
+from jax_kda.testing import BENCHMARK_CASES, make_inputs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_prefill import derived_set, split_kwargs  # noqa: E402
 
 
 def main():
-    w = {x.name: x for x in BENCHMARK_GRID}[sys.argv[1]]
+    w = BENCHMARK_CASES[sys.argv[1]]
     k = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     args, kwargs = make_inputs(w, np.random.default_rng())
     static = split_kwargs(kwargs)[1]

@@ -156,6 +156,14 @@ BENCHMARK_GRID = (
     _grid_case("h16_8x4k", 16, seqlens=(4096,) * 8),
 )
 
+# Two of the six FlashKDA acceptance shapes (64 and 96 heads x fixed 8K, mixed, 8x1K) that
+# shared/BENCHMARKS.md does not time: benchmarked next to the grid, with no FlashKDA or FLA figure.
+EXTRA_CASES = (
+    _grid_case("h64_mixed", 64, seqlens=MIXED_SEQLENS),
+    _grid_case("h64_8x1k", 64, seqlens=(1024,) * 8),
+)
+BENCHMARK_CASES = {w.name: w for w in BENCHMARK_GRID + EXTRA_CASES}
+
 
 def hbm_floor_bytes(w: Workload) -> int:
     """Fewest bytes a prefill must move: q, k, v, raw g, beta read once, o written once (bf16),
