@@ -446,21 +446,25 @@ class ChunkRecurrence:
             for kb in cutlass.range_constexpr(HEAD_DIM // 16):
                 mma_tok.set(warpgroup.Field.ACCUMULATE, with_values if kb == 0 else True)
                 cute.gemm(mma_tok, acc_u, a_s[None, None, kb], b_kw[None, None, kb, stage], acc_u)
+            warpgroup.commit_group()
+            # O^T = S_bf qd^T in a group of its own: the tensor cores run it while U is split.
             for kb in cutlass.range_constexpr(HEAD_DIM // 16):
                 mma_tok.set(warpgroup.Field.ACCUMULATE, kb != 0)
                 cute.gemm(mma_tok, acc_o, a_s[None, None, kb], b_qd[None, None, kb, stage], acc_o)
             warpgroup.commit_group()
 
-            warpgroup.wait_group(0)
+            warpgroup.wait_group(1)  # U's group (O's may still run)
 
             _to_operand_split(acc_u, a_u, a_u_lo)
             warpgroup.fence()
-            mma_tok.set(warpgroup.Field.ACCUMULATE, True)
-            cute.gemm(mma_tok, acc_o, a_u[None, None, 0], b_mqk[None, None, 0, stage], acc_o)
-            cute.gemm(mma_tok, acc_o, a_u_lo[None, None, 0], b_mqk[None, None, 0, stage], acc_o)
+            # The state first (the next chunk waits for it), then O, which accumulates after the
+            # in-flight O group (same MMA shape and accumulator: ordered by the hardware).
             mma_state.set(warpgroup.Field.ACCUMULATE, True)
             cute.gemm(mma_state, acc_s, a_u[None, None, 0], b_kr[None, None, 0, stage], acc_s)
             cute.gemm(mma_state, acc_s, a_u_lo[None, None, 0], b_kr[None, None, 0, stage], acc_s)
+            mma_tok.set(warpgroup.Field.ACCUMULATE, True)
+            cute.gemm(mma_tok, acc_o, a_u[None, None, 0], b_mqk[None, None, 0, stage], acc_o)
+            cute.gemm(mma_tok, acc_o, a_u_lo[None, None, 0], b_mqk[None, None, 0, stage], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             loads.consumer_release(state)
