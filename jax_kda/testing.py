@@ -157,7 +157,7 @@ BENCHMARK_GRID = (
 )
 
 # Two of the six FlashKDA acceptance shapes (64 and 96 heads x fixed 8K, mixed, 8x1K) that
-# shared/BENCHMARKS.md does not time: benchmarked next to the grid, with no FlashKDA or FLA figure.
+# shared/BENCHMARKS.md does not time (no FlashKDA or FLA figure there): benchmarked next to the grid.
 EXTRA_CASES = (
     _grid_case("h64_mixed", 64, seqlens=MIXED_SEQLENS),
     _grid_case("h64_8x1k", 64, seqlens=(1024,) * 8),
