@@ -1,67 +1,66 @@
-"""Ahead-of-time compile step: CuTe DSL kernels -> C headers and objects linked into the extension.
+"""The build step: CuTe DSL kernels -> C headers and objects linked into the extension, and the C++
+view of the kernel contract.
 
-CMake runs this at build time, on a machine that needs no GPU. Every kernel in ``KERNELS`` is compiled for
-each of its architectures with symbolic sizes and exported with ``export_to_c`` to
-``<out-dir>/<kernel>_<arch>.h`` and ``.o``. The exported C symbols carry the prefix
-``jax_kda_<kernel>_<arch>``: an exported module is process-global, so every (kernel, arch) pair needs its
-own. The C++ side includes the headers by those names (csrc/<kernel>.cc).
+CMake runs it at build time, on a machine that needs no GPU:
 
-Adding a kernel is one ``KERNELS`` entry: a module under csrc/kernels/ (dotted for a subfolder, e.g.
-``sm90.prepare``) that defines the ``@cute.jit`` entry point and ``compile_arguments()``.
+    aot_compile.py --header DIR       writes DIR/kda_contract.h and DIR/kda_kernel_objects.h, rendered
+                                      from jax_kda/contract.py (the one definition of the contract)
+    aot_compile.py --out-dir DIR      compiles every kda_contract.KERNEL_OBJECTS entry with symbolic
+                                      sizes and exports it (export_to_c) as DIR/<name>.h and .o
+    aot_compile.py --out-dir DIR --check
+                                      the same, keeping the PTX and cubins under DIR/dump, then prints
+                                      each kernel's registers (and spills, with a local ptxas) and
+                                      fails if a kernel needs more registers than its occupancy
+                                      allows, or an sm_90a kernel spills
+    aot_compile.py --out-dir DIR --list-outputs
+                                      the files --out-dir writes, one per line; compiles nothing
 
-Usage: aot_compile.py --out-dir DIR [--list-outputs]
+The exported C symbols carry the prefix jax_kda_<name>: an exported module is process-global, so every
+object needs its own. The kernel sources (csrc/kernels/) import the contract as `kda_contract`: this
+file loads jax_kda/contract.py under that name, by path, since the build environment has no jax.
 """
 
 import argparse
 import ctypes
-import dataclasses
 import importlib
+import importlib.util
 import os
 import pathlib
+import re
+import shutil
+import subprocess
 import sys
 import time
 
-KERNEL_SOURCE_DIR = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "kernels"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KERNEL_SOURCE_DIR = ROOT / "csrc" / "kernels"
 
 
-# Always pinned: without --gpu-arch the DSL silently targets sm_100a. An "a" cubin runs only on its exact
-# compute capability (sm_100a on 10.0, not on 10.3). csrc/kernel_module.h lists the same architectures.
-ARCHITECTURES = ("sm_90a", "sm_100a")
+def load_by_path(name: str, relative: str):
+    """A standard-library-only file of the package, imported as module `name` without jax_kda."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelExport:
-    """One kernel to export: ``module`` under csrc/kernels/ defines ``entry`` and ``compile_arguments()``."""
-
-    name: str
-    module: str
-    entry: str
-    archs: tuple[str, ...] = ARCHITECTURES  # a subset, for kernels written for one architecture
-
-
-KERNELS = (
-    KernelExport(name="gate_activation", module="gate_activation", entry="gate_activation"),
-    # Hopper: the recurrence on warpgroup MMAs (wgmma exists only on sm_90a).
-    KernelExport(name="prefill", module="sm90.kda_prefill", entry="prefill", archs=("sm_90a",)),
-    # Blackwell: the recurrence on warp-level MMAs.
-    KernelExport(name="prefill", module="sm100.kda_prefill", entry="prefill", archs=("sm_100a",)),
-    # The Blackwell kernels built for Hopper too, so that a Hopper GPU can test them
-    # (custom call target jax_kda_prefill_sm90_mma; not a user-facing backend).
-    KernelExport(name="prefill_mma", module="sm100.kda_prefill", entry="prefill", archs=("sm_90a",)),
-)
-
-
-def export_stem(kernel: KernelExport, arch: str) -> str:
-    return f"{kernel.name}_{arch}"
+contract = load_by_path("kda_contract", "jax_kda/contract.py")
 
 
 def output_paths(out_dir: pathlib.Path) -> list[pathlib.Path]:
-    return [
-        out_dir / f"{export_stem(kernel, arch)}{suffix}"
-        for kernel in KERNELS
-        for arch in kernel.archs
-        for suffix in (".h", ".o")
-    ]
+    return [out_dir / f"{obj.name}{suffix}" for obj in contract.KERNEL_OBJECTS for suffix in (".h", ".o")]
+
+
+def write_headers(out_dir: pathlib.Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("kda_contract.h", contract.render_header()),
+                       ("kda_kernel_objects.h", contract.render_kernel_objects_header())):
+        path = out_dir / name
+        if not path.is_file() or path.read_text() != text:  # keep the timestamp when nothing changed
+            path.write_text(text)
 
 
 def compile_all(out_dir: pathlib.Path) -> None:
@@ -76,36 +75,101 @@ def compile_all(out_dir: pathlib.Path) -> None:
     ctypes.CDLL(runtime_library, mode=ctypes.RTLD_GLOBAL)
 
     sys.path.insert(0, str(KERNEL_SOURCE_DIR))
+    from common import prefill
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    for kernel in KERNELS:
-        module = importlib.import_module(kernel.module)
-        entry = getattr(module, kernel.entry)
-        for arch in kernel.archs:
-            stem = export_stem(kernel, arch)
-            started = time.perf_counter()
-            compiled = cute.compile(entry, *module.compile_arguments(), options=f"--gpu-arch {arch}")
-            compiled.export_to_c(str(out_dir), stem, function_prefix=f"jax_kda_{stem}")
-            print(f"aot_compile: {stem} in {time.perf_counter() - started:.2f} s", flush=True)
+    for obj in contract.KERNEL_OBJECTS:
+        recurrence = importlib.import_module(obj.source).RECURRENCE
+        started = time.perf_counter()
+        # Always pinned: without --gpu-arch the DSL silently targets sm_100a.
+        compiled = cute.compile(prefill.prefill, *prefill.compile_arguments(recurrence),
+                                options=f"--gpu-arch {obj.arch.name}")
+        compiled.export_to_c(str(out_dir), obj.name, function_prefix=f"jax_kda_{obj.name}")
+        print(f"aot_compile: {obj.name} in {time.perf_counter() - started:.2f} s", flush=True)
+
+
+# --- --check ------------------------------------------------------------------------------------------------
+
+
+def kernel_family(kernel: str) -> str:
+    for family in ("prepare_chunks", "combine_segments", "recurrence"):
+        if family in kernel:
+            return family
+    return kernel[:60]
+
+
+def ptxas_usage(ptx_path: str, arch: str) -> dict[str, tuple[int, int, int]]:
+    """{kernel: (registers, spill store bytes, spill load bytes)} from the local ptxas -v."""
+    out = subprocess.run(["ptxas", f"-arch={arch}", "-v", ptx_path, "-o", os.devnull],
+                         capture_output=True, text=True, check=True).stderr
+    usage, current = {}, None
+    for line in out.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            current = m.group(1)
+        if (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)) and current:
+            usage.setdefault(current, [0, 0, 0])[1:] = [int(m.group(1)), int(m.group(2))]
+        if (m := re.search(r"Used (\d+) registers", line)) and current:
+            usage.setdefault(current, [0, 0, 0])[0] = int(m.group(1))
+        if "C7517" in line or "C7519" in line or "serialized" in line:
+            print("ptxas:", line.strip())
+    return {k: tuple(v) for k, v in usage.items()}
+
+
+def check(dump_dir: pathlib.Path) -> bool:
+    """Registers and spills of every kernel kept under `dump_dir`; False if one breaks a limit."""
+    cubin = load_by_path("kda_cubin", "jax_kda/_cubin.py")
+    limits = {
+        "prepare_chunks": cubin.max_registers(contract.PREPARE_CTAS_PER_SM, contract.PREPARE_THREADS),
+        "recurrence": cubin.max_registers(contract.RECURRENCE_CTAS_PER_SM, contract.RECURRENCE_THREADS),
+    }
+    ok = True
+    for path in sorted(dump_dir.glob("*.cubin")):
+        image = path.read_bytes()
+        arch = cubin.cubin_arch(image)
+        ptx = path.with_suffix(".ptx")
+        spills = ptxas_usage(str(ptx), arch) if ptx.is_file() and shutil.which("ptxas") else {}
+        for kernel, registers in sorted(cubin.register_counts(image).items(), key=lambda kv: kernel_family(kv[0])):
+            family = kernel_family(kernel)
+            _, spill_st, spill_ld = spills.get(kernel, (0, None, None))
+            print(f"{arch} {family:18s} registers {registers:3d} (limit {limits.get(family, 255)}), "
+                  f"spills {spill_st}/{spill_ld} B store/load")
+            if registers > limits.get(family, 255):
+                print(f"  {family}: more registers than its occupancy allows")
+                ok = False
+            if arch == "sm_90a" and (spill_st or spill_ld):
+                print(f"  {family}: spills on sm_90a")
+                ok = False
+    return ok
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out-dir", type=pathlib.Path, required=True)
-    parser.add_argument(
-        "--list-outputs",
-        action="store_true",
-        help="print the files this step writes, one per line, and compile nothing",
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=pathlib.Path)
+    parser.add_argument("--header", type=pathlib.Path, metavar="DIR")
+    parser.add_argument("--list-outputs", action="store_true")
+    parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
+    if args.header is not None:
+        write_headers(args.header)
+    if args.out_dir is None:
+        if args.header is None:
+            parser.error("give --out-dir, --header or both")
+        return
     if args.list_outputs:
         print("\n".join(str(path) for path in output_paths(args.out_dir)))
         return
+    dump_dir = args.out_dir / "dump"
+    if args.check:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+        dump_dir.mkdir(parents=True)
+        os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"
+        os.environ["CUTE_DSL_DUMP_DIR"] = str(dump_dir)
     compile_all(args.out_dir)
     missing = [path for path in output_paths(args.out_dir) if not path.is_file()]
     if missing:
         sys.exit(f"aot_compile: export did not write {', '.join(map(str, missing))}")
+    if args.check and not check(dump_dir):
+        sys.exit("aot_compile --check: a kernel breaks its register or spill limit")
 
 
 if __name__ == "__main__":

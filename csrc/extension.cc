@@ -1,12 +1,14 @@
-// The nanobind module jax_kda._jax_kda_ext: what Python needs to register the FFI handlers.
-// jax_kda/_native.py loads it, checks the FFI API version and registers the targets.
+// The nanobind module jax_kda._jax_kda_ext: what Python needs to register the FFI handlers, and what
+// the CPU tests read back from the build (its FFI API version, kernel objects, workspace formula).
+// jax_kda/_native.py loads it, checks the FFI API version and registers the target.
 
 #include <nanobind/nanobind.h>
 
 #include <type_traits>
 
 #include "ffi_handlers.h"
-#include "kernel_module.h"
+#include "kda_contract.h"
+#include "prefill.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -36,30 +38,35 @@ NB_MODULE(_jax_kda_ext, m) {
   m.def(
       "registrations",
       [] {
+        nb::dict stages;
+        stages["instantiate"] = jax_kda::EncapsulateHandler(jax_kda::kPrefillInstantiate);
+        stages["execute"] = jax_kda::EncapsulateHandler(jax_kda::kPrefillExecute);
         nb::dict targets;
-        nb::dict gate_activation;
-        gate_activation["instantiate"] = jax_kda::EncapsulateHandler(jax_kda::kGateActivationInstantiate);
-        gate_activation["execute"] = jax_kda::EncapsulateHandler(jax_kda::kGateActivationExecute);
-        targets["jax_kda_gate_activation"] = gate_activation;
-        auto add = [&targets](const char* name, auto instantiate, auto execute) {
-          nb::dict stages;
-          stages["instantiate"] = jax_kda::EncapsulateHandler(instantiate);
-          stages["execute"] = jax_kda::EncapsulateHandler(execute);
-          targets[name] = stages;
-        };
-        add("jax_kda_prefill_sm90", jax_kda::kPrefillInstantiateSm90, jax_kda::kPrefillExecuteSm90);
-        add("jax_kda_prefill_sm90_mma", jax_kda::kPrefillInstantiateSm90Mma, jax_kda::kPrefillExecuteSm90Mma);
-        add("jax_kda_prefill_sm100", jax_kda::kPrefillInstantiateSm100, jax_kda::kPrefillExecuteSm100);
+        targets[jax_kda::contract::kFfiTarget] = stages;
         return targets;
       },
       "Custom call target name -> {FFI stage name: handler capsule}, for jax.ffi.register_ffi_target.");
 
   m.def(
-      "compiled_archs",
+      "kernel_objects",
       [] {
-        nb::list archs;
-        for (jax_kda::Arch arch : jax_kda::kCompiledArchs) archs.append(jax_kda::ArchName(arch));
-        return archs;
+        nb::list objects;
+        for (const jax_kda::ExportedObject& object : jax_kda::PrefillModules().objects()) {
+          objects.append(nb::make_tuple(object.name, object.arch));
+        }
+        return objects;
       },
-      "The GPU architectures the kernels were compiled for, e.g. ['sm_90a', 'sm_100a'].");
+      "The exported kernel objects linked into this module, as (name, compiler target) pairs.");
+
+  m.def(
+      "arch_for_compute_capability",
+      [](int major, int minor) -> nb::object {
+        const char* arch = jax_kda::ArchForComputeCapability(major, minor);
+        if (arch == nullptr) return nb::none();
+        return nb::str(arch);
+      },
+      "The compiler target whose objects serve a device of this compute capability, or None.");
+
+  m.def("workspace_bytes", &jax_kda::PrefillWorkspaceBytes,
+        "The workspace bytes the handler requires for (total_tokens, num_sequences, num_segments, HV).");
 }

@@ -1,24 +1,33 @@
 #include "kernel_module.h"
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace jax_kda {
+namespace {
 
-const char* ArchName(Arch arch) {
-  switch (arch) {
-    case Arch::kSm90a:
-      return "sm_90a";
-    case Arch::kSm100a:
-      return "sm_100a";
+const char* RequestName(contract::Kernels kernels) {
+  switch (kernels) {
+    case contract::Kernels::kForDevice:
+      return "backend=\"auto\"";
+    case contract::Kernels::kSm90:
+      return "backend=\"sm90\"";
+    case contract::Kernels::kSm100:
+      return "backend=\"sm100\"";
+    case contract::Kernels::kMmaSyncOnSm90:
+      return "the mma.sync kernels built for sm_90a (testing)";
   }
-  return "unknown";
+  return "an unknown kernels request";
 }
 
-std::optional<Arch> ArchForComputeCapability(int major, int minor) {
-  if (major == 9 && minor == 0) return Arch::kSm90a;
-  if (major == 10 && minor == 0) return Arch::kSm100a;
-  return std::nullopt;
+}  // namespace
+
+const char* ArchForComputeCapability(int major, int minor) {
+  for (const contract::ArchInfo& arch : contract::kArchs) {
+    if (arch.major == major && arch.minor == minor) return arch.name;
+  }
+  return nullptr;
 }
 
 std::string CudaErrorText(cudaError_t error) {
@@ -35,28 +44,37 @@ std::string KernelModules::LoadAll() {
   if (cudaError_t error = cudaGetDeviceCount(&device_count); error != cudaSuccess) {
     return "jax_kda: cudaGetDeviceCount failed: " + CudaErrorText(error);
   }
-  compute_capabilities_.resize(device_count);
-  multiprocessor_counts_.resize(device_count);
+  devices_.resize(device_count);
   for (int device = 0; device < device_count; ++device) {
-    auto& [major, minor] = compute_capabilities_[device];
-    cudaError_t error = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    Device& d = devices_[device];
+    cudaError_t error = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device);
+    if (error == cudaSuccess) error = cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device);
     if (error == cudaSuccess) {
-      error = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    }
-    if (error == cudaSuccess) {
-      error = cudaDeviceGetAttribute(&multiprocessor_counts_[device], cudaDevAttrMultiProcessorCount, device);
+      error = cudaDeviceGetAttribute(&d.multiprocessors, cudaDevAttrMultiProcessorCount, device);
     }
     if (error != cudaSuccess) {
       return "jax_kda: reading the attributes of CUDA device " + std::to_string(device) +
              " failed: " + CudaErrorText(error);
+    }
+    // Which object serves each request on this device.
+    d.object.fill(-1);
+    const char* arch = ArchForComputeCapability(d.major, d.minor);
+    for (const contract::KernelChoice& choice : contract::kKernelChoices) {
+      if (arch == nullptr || std::strcmp(choice.arch, arch) != 0) continue;
+      for (size_t i = 0; i < objects_.size(); ++i) {
+        if (std::strcmp(objects_[i].name, choice.object) == 0) {
+          d.object[static_cast<int>(choice.kernels)] = static_cast<int>(i);
+        }
+      }
     }
   }
 
   for (const ExportedObject& object : objects_) {
     bool library_loaded = false;
     for (int device = 0; device < device_count; ++device) {
-      const auto [major, minor] = compute_capabilities_[device];
-      if (ArchForComputeCapability(major, minor) != object.arch) continue;
+      const Device& d = devices_[device];
+      const char* arch = ArchForComputeCapability(d.major, d.minor);
+      if (arch == nullptr || std::strcmp(arch, object.arch) != 0) continue;
 
       // The argument packing of the exported entry points, as the generated header spells it:
       // init(&library_ptr, &ret) and load_to_device(&library_ptr, &device, &ret).
@@ -66,8 +84,7 @@ std::string KernelModules::LoadAll() {
         void* init_args[] = {&library_ptr, &ret};
         object.init(init_args);
         if (ret != cudaSuccess) {
-          return std::string("jax_kda: loading the kernel object ") + object.name +
-                 " failed: " + CudaErrorText(ret);
+          return std::string("jax_kda: loading the kernel object ") + object.name + " failed: " + CudaErrorText(ret);
         }
         library_loaded = true;
       }
@@ -76,34 +93,47 @@ std::string KernelModules::LoadAll() {
       object.load_to_device(load_args);
       if (ret != cudaSuccess) {
         return std::string("jax_kda: loading the kernel object ") + object.name + " onto CUDA device " +
-               std::to_string(device) + " (compute capability " + std::to_string(major) + "." +
-               std::to_string(minor) + ") failed: " + CudaErrorText(ret);
+               std::to_string(device) + " (compute capability " + std::to_string(d.major) + "." +
+               std::to_string(d.minor) + ") failed: " + CudaErrorText(ret);
       }
     }
   }
   return {};
 }
 
-std::optional<Arch> KernelModules::ArchOfDevice(int device, std::string* error) const {
-  if (device < 0 || device >= static_cast<int>(compute_capabilities_.size())) {
+int KernelModules::Resolve(contract::Kernels kernels, int device, std::string* error) const {
+  const int request = static_cast<int>(kernels);
+  if (request < 0 || request >= contract::kNumKernels) {
+    *error = "jax_kda: unknown kernels request " + std::to_string(request) +
+             " (a jax_kda Python/extension version mismatch?)";
+    return -1;
+  }
+  if (device < 0 || device >= static_cast<int>(devices_.size())) {
     *error = "jax_kda: CUDA device " + std::to_string(device) + " is not among the " +
-             std::to_string(compute_capabilities_.size()) + " devices seen when the kernels were loaded";
-    return std::nullopt;
+             std::to_string(devices_.size()) + " devices seen when the kernels were loaded";
+    return -1;
   }
-  const auto [major, minor] = compute_capabilities_[device];
-  std::optional<Arch> arch = ArchForComputeCapability(major, minor);
-  if (!arch) {
-    *error = "jax_kda: CUDA device " + std::to_string(device) + " has compute capability " +
-             std::to_string(major) + "." + std::to_string(minor) +
-             "; the jax_kda kernels run on 9.0 (sm_90a) and 10.0 (sm_100a) only. Use backend=\"xla\" on "
-             "this device.";
+  const Device& d = devices_[device];
+  if (d.object[request] >= 0) return d.object[request];
+  std::string serves;
+  for (const contract::KernelChoice& choice : contract::kKernelChoices) {
+    if (choice.kernels != kernels) continue;
+    for (const contract::ArchInfo& arch : contract::kArchs) {
+      if (std::strcmp(arch.name, choice.arch) == 0) {
+        serves += (serves.empty() ? "" : " or ") + std::to_string(arch.major) + "." + std::to_string(arch.minor);
+      }
+    }
   }
-  return arch;
+  *error = std::string("jax_kda: CUDA device ") + std::to_string(device) + " has compute capability " +
+           std::to_string(d.major) + "." + std::to_string(d.minor) + "; the kernels of " + RequestName(kernels) +
+           " run on compute capability " + serves +
+           ". Pass backend=\"xla\" (or lower this computation for another platform) to run the portable path.";
+  return -1;
 }
 
 int KernelModules::MultiprocessorCount(int device) const {
-  if (device < 0 || device >= static_cast<int>(multiprocessor_counts_.size())) return 0;
-  return multiprocessor_counts_[device];
+  if (device < 0 || device >= static_cast<int>(devices_.size())) return 0;
+  return devices_[device].multiprocessors;
 }
 
 }  // namespace jax_kda

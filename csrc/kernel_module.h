@@ -1,12 +1,14 @@
 // Loading of the ahead-of-time exported CuTe DSL kernel objects, and the choice of object per device.
 //
-// build/aot_compile.py exports every (kernel, architecture) pair as a C header and object. An exported
-// object is process-global: its wrapper launches through a kernel handle stored inside the object, so it
-// is loaded once per process and never unloaded. The generated `<prefix>_Kernel_Module_Load` helper is
-// not used: it only printf's CUDA errors, and it loads the object onto every device, which fails on a
-// device of another architecture (an sm_90a cubin has no image for a 10.0 device). This loader calls the
-// object's init / load-to-device entry points itself, only for devices of the object's architecture,
-// and keeps the first error for every later caller.
+// build/aot_compile.py exports every kernel object of jax_kda/contract.py (KERNEL_OBJECTS) as a C
+// header and object. An exported object is process-global: its wrapper launches through a kernel
+// handle stored inside the object, so it is loaded once per process and never unloaded. The generated
+// `<prefix>_Kernel_Module_Load` helper is not used: it only printf's CUDA errors, and it loads the
+// object onto every device, which fails on a device of another architecture (an sm_90a cubin has no
+// image for a 10.0 device). This loader calls the object's init / load-to-device entry points itself,
+// only for devices of the object's architecture, and keeps the first error for every later caller.
+// While loading it also resolves, for every device and every contract::Kernels request, which object
+// serves it (contract::kKernelChoices), so that a launch only looks the answer up.
 //
 // Nothing here depends on XLA; errors are returned as strings (empty on success).
 
@@ -15,38 +17,30 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <mutex>
-#include <optional>
 #include <span>
 #include <string>
-#include <utility>
 #include <vector>
+
+#include "kda_contract.h"
 
 namespace jax_kda {
 
-// Architectures with an exported object, as listed in ARCHITECTURES in build/aot_compile.py.
-enum class Arch { kSm90a, kSm100a };
-
-inline constexpr Arch kCompiledArchs[] = {Arch::kSm90a, Arch::kSm100a};
-
-// "sm_90a", "sm_100a".
-const char* ArchName(Arch arch);
-
-// The architecture whose cubins run on a device of this compute capability. "a" cubins are not
-// forward-compatible: sm_100a runs on 10.0 only, so a 10.3 device (B300) has none until an sm_103a
-// object is exported.
-std::optional<Arch> ArchForComputeCapability(int major, int minor);
+// The compiler target (e.g. "sm_90a") whose cubins run on a device of this compute capability, or
+// nullptr. "a" cubins are not forward-compatible: sm_100a runs on 10.0 only (contract::kArchs).
+const char* ArchForComputeCapability(int major, int minor);
 
 // "cudaErrorInvalidValue (invalid argument)".
 std::string CudaErrorText(cudaError_t error);
 
-// The C entry points of one exported object; `Prefix` is jax_kda_<kernel>_<arch>.
+// The C entry points of one exported object; its symbols carry the prefix jax_kda_<name>.
 struct ExportedObject {
-  const char* name;                  // <kernel>_<arch>, for messages
-  Arch arch;
-  void (*init)(void**);              // _mlir_<Prefix>_cuda_init: loads the embedded cubin as a cudaLibrary_t
-  void (*load_to_device)(void**);    // _mlir_<Prefix>_cuda_load_to_device: binds the kernel on one device
-  cudaLibrary_t* library;            // the `module` field of the object's <Prefix>_Kernel_Module_t
+  const char* name;                  // the export's stem (contract KERNEL_OBJECTS), for messages
+  const char* arch;                  // the compiler target it was built for, e.g. "sm_90a"
+  void (*init)(void**);              // _mlir_<prefix>_cuda_init: loads the embedded cubin as a cudaLibrary_t
+  void (*load_to_device)(void**);    // _mlir_<prefix>_cuda_load_to_device: binds the kernel on one device
+  cudaLibrary_t* library;            // the `module` field of the object's <prefix>_Kernel_Module_t
 };
 
 // The exported objects of one kernel, loaded once per process.
@@ -60,12 +54,14 @@ class KernelModules {
   // allowed while a capture is recording. The FFI instantiate stage is such a place.
   const std::string& Load();
 
-  // The architecture of `device` (a CUDA ordinal) after a successful Load(), or an error naming the
-  // device and its compute capability.
-  std::optional<Arch> ArchOfDevice(int device, std::string* error) const;
+  // After a successful Load(): the index of the object that serves `kernels` on `device` (a CUDA
+  // ordinal), or -1 with `*error` naming the device, its compute capability and what would serve it.
+  int Resolve(contract::Kernels kernels, int device, std::string* error) const;
 
   // The number of SMs of `device` after a successful Load() (0 for an unknown ordinal).
   int MultiprocessorCount(int device) const;
+
+  std::span<const ExportedObject> objects() const { return objects_; }
 
  private:
   std::string LoadAll();
@@ -73,10 +69,11 @@ class KernelModules {
   std::span<const ExportedObject> objects_;
   std::once_flag once_;
   std::string load_error_;
-  // Per CUDA device ordinal: its compute capability, read during Load().
-  std::vector<std::pair<int, int>> compute_capabilities_;
-  // Per CUDA device ordinal: its SM count, read during Load().
-  std::vector<int> multiprocessor_counts_;
+  struct Device {
+    int major = 0, minor = 0, multiprocessors = 0;
+    std::array<int, contract::kNumKernels> object{};  // per contract::Kernels: object index or -1
+  };
+  std::vector<Device> devices_;
 };
 
 }  // namespace jax_kda

@@ -6,11 +6,18 @@
 would use and why. `backend="xla"` is pure JAX and runs anywhere.
 """
 
+from jax_kda import _native
 from jax_kda.api import explain, prefill
-from jax_kda.config import STATIC_ARGNAMES, GateMode, PrefillConfig
+from jax_kda.config import STATIC_ARGNAMES, PrefillConfig
+from jax_kda.contract import GateMode
 from jax_kda.planner import RecurrencePlan, plan_prefill
 
 __version__ = "0.1.0"
+
+# Register the kernels' custom call target with jax now, so that a process that only deserializes and
+# runs an exported program (jax.export) finds it. Where the extension is missing this records the
+# reason (`_native.unavailable_reason()`) instead of raising.
+_native.registered_targets()
 
 __all__ = [
     "GateMode",

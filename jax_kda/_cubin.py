@@ -1,6 +1,6 @@
 """Reading CUDA ELF images (cubins): the ones embedded in a host binary, their architecture, and the
 registers each kernel uses. Standard library only, so that build-time tools can load this file
-by path without importing jax_kda (csrc/kernels/sm90/compile_check.py does); the tests use it to
+by path without importing jax_kda (build/aot_compile.py --check does); the tests use it to
 check the built extension.
 """
 

@@ -21,6 +21,8 @@ import types
 
 import jax
 
+from jax_kda import contract
+
 _EXTENSION = "jax_kda._jax_kda_ext"
 
 _lock = threading.Lock()
@@ -89,15 +91,23 @@ def unavailable_reason() -> str | None:
     return _initialize()[1]
 
 
-def compiled_archs() -> tuple[str, ...]:
-    """The GPU architectures the kernels were compiled for (e.g. ``("sm_90a", "sm_100a")``); empty when
-    the kernels are unavailable."""
+def kernel_objects() -> tuple[tuple[str, str], ...]:
+    """The kernel objects linked into the extension, as (name, compiler target) pairs (e.g.
+    ``("prefill_wgmma_sm_90a", "sm_90a")``); empty when the kernels are unavailable."""
     module = _initialize()[0]
-    return tuple(module.compiled_archs()) if module is not None else ()
+    return tuple(tuple(o) for o in module.kernel_objects()) if module is not None else ()
+
+
+def compiled_archs() -> tuple[str, ...]:
+    """The GPU architectures the kernels were compiled for (e.g. ``("sm_90a", "sm_100a")``), in the
+    order of the contract's architectures; empty when the kernels are unavailable."""
+    built = {arch for _, arch in kernel_objects()}
+    return tuple(arch.name for arch in contract.ARCHS if arch.name in built)
 
 
 def registered_targets() -> frozenset[str]:
-    """The custom call targets registered with JAX for CUDA; empty when the kernels are unavailable."""
+    """The custom call targets registered with JAX for CUDA (`contract.FFI_TARGET`); empty when the
+    kernels are unavailable."""
     return _initialize()[2]
 
 

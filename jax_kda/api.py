@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jax_kda import context_parallel, dispatch, xla_backend
-from jax_kda.config import validate
-from jax_kda.primitive import FFI_TARGETS, kernel_operands, prefill_call
+from jax_kda import dispatch, kernel, xla_backend
+from jax_kda.config import Operands, validate
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _xla_prefill(cfg, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-    return xla_backend.prefill(
-        cfg, q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias
-    )
+@functools.partial(jax.jit, static_argnums=0)
+def _xla_prefill(cfg, ops):
+    return xla_backend.prefill(cfg, ops)
 
 
 def prefill(
@@ -40,11 +36,17 @@ def prefill(
     state_v_first=False,
     backend="auto",
 ):
-    """KDA (Kimi Delta Attention) forward over whole sequences. The contract is SPEC.md.
+    """KDA (Kimi Delta Attention) forward over whole sequences; the contract is docs/prefill.md.
 
     Per sequence and value head, with state S (K x V) starting at `initial_state` or zeros:
     S <- Diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = scale S^T q_t.
-    Argument names follow `fla.ops.kda.chunk_kda`.
+    Argument names follow `fla.ops.kda.chunk_kda`. To jit it directly:
+    `jax.jit(jax_kda.prefill, static_argnames=jax_kda.STATIC_ARGNAMES)`.
+
+    The kernels (Hopper: compute capability 9.0; Blackwell: 10.0) serve K == V == 128, q, k, v, g
+    and beta in bfloat16, an fp32 state, ((B*T) // 16 + N) * HV < 2^20 and at most 65535 sequences
+    and value heads; everything else runs on the XLA path. Their forward is a kernel; derivatives
+    (`jax.grad`, `jax.vjp`, `jax.jvp`) are the XLA path's, recomputed (there is no backward kernel).
 
     Args:
       q, k: `[B, T, H, K]`.
@@ -70,8 +72,13 @@ def prefill(
       lower_bound: float in [-5, 0).
       use_beta_sigmoid_in_kernel: apply sigmoid to beta.
       state_v_first: states are laid out `[N, HV, V, K]`.
-      backend: "auto" (the kernel for the default device when the call is eligible, else "xla";
-        see `explain`), "xla" (pure JAX, any platform, differentiable), "sm90" or "sm100".
+      backend: "auto": the kernels when the call is within their limits and they are installed,
+        lowered for CUDA (the FFI handler picks the Hopper or Blackwell build on the device it runs
+        on) and the XLA path when lowered for any other platform; the XLA path at once when the
+        default device is a GPU without kernels. `explain` says which and why. "xla": pure JAX, any
+        platform, any shape and float dtype. "sm90" / "sm100": those kernels or a ValueError; on a
+        GPU of another compute capability the call fails at run time, and lowering them for a
+        platform other than CUDA raises.
 
     Returns:
       `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state like initial_state in fp32,
@@ -80,8 +87,7 @@ def prefill(
     Raises:
       ValueError: an argument violates the contract, or an explicitly requested kernel backend
         cannot serve the call (the message names the argument and the limit).
-      TypeError: a static argument is traced or of the wrong type. To jit `prefill` itself, use
-        `jax.jit(jax_kda.prefill, static_argnames=jax_kda.STATIC_ARGNAMES)`.
+      TypeError: a static argument is traced or of the wrong type (see `STATIC_ARGNAMES`).
     """
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)
@@ -104,41 +110,25 @@ def prefill(
         state_v_first=state_v_first,
         backend=backend,
     )
-    decision = dispatch.choose_backend(cfg, backend)
-    if decision.backend == "xla":
-        return _xla_prefill(cfg, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
-    plan = dispatch.plan_for(cfg)
-    return kernel_prefill(cfg, plan, FFI_TARGETS[decision.backend], q, k, v, g, beta, A_log, dt_bias,
-                          cu_seqlens, initial_state)
+    ops = Operands(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state)
+    decision = dispatch.decide(cfg, backend)
+    if decision.kernels is None:
+        return _xla_prefill(cfg, ops)
+    return kernel.prefill(ops, cfg, decision.plan, decision.kernels)
 
 
-def kernel_prefill(cfg, plan, target, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state):
-    """The kernels behind custom call `target` under `plan`: one call, or the segmented pair."""
-    if plan.num_segments > 1:
-        return context_parallel.segmented_prefill(cfg, plan, target, q, k, v, g, beta, A_log, dt_bias,
-                                                  cu_seqlens, initial_state)
-    operands = kernel_operands(cfg, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state)
-    return prefill_call(cfg, plan, target, *operands)
+def explain(q, k, v, g, beta, *, device=None, **kwargs) -> dispatch.Decision:
+    """Which backend `prefill(q, k, v, g, beta, **kwargs)` runs on `device`, and why.
 
-
-def explain(q, k, v, g, beta, **kwargs) -> dispatch.Decision:
-    """Which backend `prefill(q, k, v, g, beta, **kwargs)` would run, and why.
-
-    Takes exactly `prefill`'s arguments (arrays or `jax.ShapeDtypeStruct`s). Validates them like
-    `prefill`, but never raises for an ineligible kernel backend: the reasons are in the result.
-    When a kernel backend serves the call, the result also carries the planner's `plan` (V split,
-    and the segments of intracard context parallelism when it segments the call).
+    Takes exactly `prefill`'s arguments (arrays or `jax.ShapeDtypeStruct`s), plus `device`: a jax
+    device, a compute capability such as "9.0" or "10.3", or a platform name such as "cpu"
+    (default: the default device). It makes the same decision as `prefill` (`dispatch.decide`) but
+    never raises for an ineligible kernel backend: every reason is in the result, the argument
+    limits even on a CPU host. When the call lowers to the kernels on CUDA, the result carries the
+    planner's `plan` (V split, and the segments of intracard context parallelism).
     """
-    requested = kwargs.pop("backend", "auto")
-    cfg = validate(q, k, v, g, beta, backend=requested, **kwargs)
-    if requested in ("auto", "xla"):
-        decision = dispatch.choose_backend(cfg, requested)
-    else:
-        device = dispatch.default_device()
-        reasons = dispatch.kernel_limits(cfg, requested, device)
-        decision = dispatch.Decision(
-            requested, "unavailable" if reasons else requested, tuple(reasons), dispatch.device_backend(device)[1]
-        )
-    if decision.backend in FFI_TARGETS:
-        decision = dataclasses.replace(decision, plan=dispatch.plan_for(cfg))
-    return decision
+    if kwargs.get("cu_seqlens") is not None and not hasattr(kwargs["cu_seqlens"], "shape"):
+        kwargs["cu_seqlens"] = jnp.asarray(kwargs["cu_seqlens"])
+    requested = kwargs.get("backend", "auto")
+    cfg = validate(q, k, v, g, beta, **kwargs)
+    return dispatch.decide(cfg, requested, device, strict=False)

@@ -1,6 +1,6 @@
 """Argument validation for `jax_kda.prefill` and the static description of one call.
 
-Everything here runs at trace time on shapes, dtypes and Python values only (SPEC.md section 4):
+Everything here runs at trace time on shapes, dtypes and Python values only (docs/prefill.md, "Errors"):
 a bad call raises before anything is traced into the program, with a message that names the
 argument, what was expected and what was given. The result, `PrefillConfig`, is frozen and
 hashable; the backends and the planner read only it.
@@ -9,14 +9,15 @@ hashable; the backends and the planner read only it.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Any
 
 import jax
 import numpy as np
 
-BACKENDS = ("auto", "xla", "sm90", "sm100")
+from jax_kda.contract import BACKEND_KERNELS, GateMode
+
+BACKENDS = ("auto", "xla", *BACKEND_KERNELS)
 
 # Arguments that must be Python values (not traced) when `prefill` is jitted directly:
 # `jax.jit(jax_kda.prefill, static_argnames=jax_kda.STATIC_ARGNAMES)`.
@@ -30,15 +31,6 @@ STATIC_ARGNAMES = (
     "state_v_first",
     "backend",
 )
-
-
-class GateMode(enum.IntEnum):
-    """How the log-decay is obtained from `g`. The values are the kernels' `gate_mode` attribute."""
-
-    PREACTIVATED = 0  # g is already the log-decay (<= 0)
-    SOFTPLUS = 1  # -exp(A_log[h]) * softplus(g + dt_bias[h])           (Kimi-Linear-48B)
-    LOWER_BOUND_A_LOG = 2  # lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))  (Kimi K3)
-    LOWER_BOUND = 3  # lower_bound * sigmoid(g + dt_bias[h])                 (FLA >= 0.6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +58,6 @@ class PrefillConfig:
     initial_state_dtype: str | None
     output_final_state: bool
     varlen: bool
-    cu_seqlens_dtype: str | None
 
     @property
     def group_size(self) -> int:
@@ -77,6 +68,28 @@ class PrefillConfig:
     def state_shape(self) -> tuple[int, int, int, int]:
         n, hv, k, v = self.num_seqs, self.num_v_heads, self.head_k, self.head_v
         return (n, hv, v, k) if self.state_v_first else (n, hv, k, v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """The arrays of one `prefill` call, as one pytree (absent optional ones are None)."""
+
+    q: Any
+    k: Any
+    v: Any
+    g: Any
+    beta: Any
+    A_log: Any = None
+    dt_bias: Any = None
+    cu_seqlens: Any = None
+    initial_state: Any = None
+
+
+jax.tree_util.register_dataclass(
+    Operands,
+    data_fields=["q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state"],
+    meta_fields=[],
+)
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -147,7 +160,7 @@ def validate(
     state_v_first=False,
     backend="auto",
 ) -> PrefillConfig:
-    """Checks a `prefill` call against SPEC.md section 4 and returns its `PrefillConfig`.
+    """Checks a `prefill` call against the contract (docs/prefill.md) and returns its `PrefillConfig`.
 
     Takes `prefill`'s arguments with the same defaults; arrays may be `jax.ShapeDtypeStruct`s.
 
@@ -195,7 +208,6 @@ def validate(
     use_beta_sigmoid = _static_bool("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
     state_v_first = _static_bool("state_v_first", state_v_first)
 
-    cu_dtype = None
     if cu_seqlens is None:
         n = b
     else:
@@ -277,5 +289,4 @@ def validate(
         initial_state_dtype=None if state_dtype is None else state_dtype.name,
         output_final_state=output_final_state,
         varlen=cu_seqlens is not None,
-        cu_seqlens_dtype=None if cu_dtype is None else cu_dtype.name,
     )

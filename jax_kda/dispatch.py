@@ -1,9 +1,17 @@
-"""Which backend serves a call, and why: `choose_backend` (used by `prefill` and `explain`).
+"""Which backend serves a call, and why: `decide`, used by both `prefill` and `explain`.
 
-"auto" takes the kernel for the device when every argument is eligible and falls back to "xla"
-otherwise; the reasons are logged on the `jax_kda` logger (DEBUG) and returned by `explain`, so a
-fallback is never silent guesswork. An explicitly requested kernel backend that cannot serve the
-call raises a ValueError naming the argument and the limit.
+At trace time only the arguments and the installation are judged: a call is *kernel-eligible* when
+every argument is within the kernels' limits and the extension is installed. An eligible call with
+backend="auto" is bound as the kernel primitive, which lowers to the kernels for CUDA and to the XLA
+path for every other platform (`jax_kda.kernel`); so the platform is decided when the program is
+lowered, whatever the default device of the tracing process. The one device fact used at trace time:
+when the default device is a CUDA GPU the kernels do not support (e.g. compute capability 8.0),
+"auto" takes the XLA path at once. Which compiled kernels run on a GPU (9.0 or 10.0) is resolved by
+the FFI handler on the device itself.
+
+An ineligible "auto" call takes the XLA path; the reasons are logged on the `jax_kda` logger (DEBUG)
+and returned by `explain`. An explicitly requested kernel backend that cannot serve the call raises a
+ValueError naming the argument and the limit.
 """
 
 from __future__ import annotations
@@ -13,33 +21,47 @@ import logging
 
 import jax
 
-from jax_kda import _native, planner
+from jax_kda import _native, contract, planner
 from jax_kda.config import PrefillConfig
-from jax_kda.primitive import FFI_TARGETS
+from jax_kda.contract import Kernels
 
 logger = logging.getLogger("jax_kda")
 
-# Compute capabilities each kernel backend runs on.
-# An "a" cubin runs only on its exact compute capability: sm_100a on 10.0, not 10.3 (B300).
-BACKEND_CAPABILITIES = {"sm90": ("9.0",), "sm100": ("10.0",)}
-KERNEL_DTYPES = ("bfloat16",)
-KERNEL_GATE_DTYPES = ("bfloat16",)
-KERNEL_HEAD_DIM = 128
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What dispatch needs of a device: its platform, compute capability (CUDA) and SM count."""
+
+    platform: str  # "gpu" for CUDA, "cpu", "tpu", ...
+    compute_capability: str | None = None
+    core_count: int = planner.DEFAULT_NUM_SMS
+    device_kind: str = ""
+
+    def __str__(self) -> str:
+        if self.platform != "gpu":
+            return f"{self.platform} device"
+        return f"{self.device_kind or 'CUDA GPU'} (compute capability {self.compute_capability})"
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """The backend that runs a call and, when it is not the one asked for, why."""
+    """The backend a call gets on a device, why, and (kernels) how the kernels split it."""
 
     requested: str
-    backend: str
-    reasons: tuple[str, ...] = ()
+    backend: str  # what runs on `device`: "xla", "sm90", "sm100", or "unavailable"
+    reasons: tuple[str, ...] = ()  # why the kernels do not serve the call there
     device: str | None = None
-    plan: planner.RecurrencePlan | None = None  # how the kernels split the call (kernel backends)
+    plan: planner.RecurrencePlan | None = None  # the kernels' plan, when the call lowers to them on CUDA
+    kernels: Kernels | None = None  # the custom call's request; None: the XLA path on every platform
 
     def __str__(self) -> str:
         head = f"backend={self.backend!r} (requested {self.requested!r}"
         head += f", device {self.device})" if self.device else ")"
+        if self.kernels is not None and self.backend not in contract.BACKEND_KERNELS:
+            head += "\n  lowered for CUDA: the kernels (" + ", ".join(
+                f"{name} on compute capability {' / '.join(contract.compute_capabilities(k))}"
+                for name, k in contract.BACKEND_KERNELS.items()
+                if self.kernels in (k, Kernels.FOR_DEVICE)) + ")"
         if self.plan is not None:
             p = self.plan
             head += f"\n  plan: V split {p.v_split}, chunk {p.chunk_size}"
@@ -50,108 +72,106 @@ class Decision:
         return head + "".join(f"\n  - {r}" for r in self.reasons)
 
 
-def plan_for(cfg: PrefillConfig, device=None) -> planner.RecurrencePlan:
-    """The kernel plan for `cfg` on `device` (default: the default device; its SM count)."""
-    device = default_device() if device is None else device
-    return planner.plan_prefill(cfg, num_sms=getattr(device, "core_count", planner.DEFAULT_NUM_SMS))
-
-
-def argument_limits(cfg: PrefillConfig, backend: str) -> list[str]:
-    """Reasons the kernels of `backend` cannot serve this call's arguments (empty if they can)."""
+def argument_limits(cfg: PrefillConfig) -> list[str]:
+    """Reasons the kernels cannot serve this call's arguments (empty if they can)."""
     reasons = []
-    if cfg.head_k != KERNEL_HEAD_DIM or cfg.head_v != KERNEL_HEAD_DIM:
-        reasons.append(f"{backend} needs K == V == {KERNEL_HEAD_DIM}, got K={cfg.head_k}, V={cfg.head_v}")
-    if cfg.dtype not in KERNEL_DTYPES:
-        reasons.append(f"{backend} needs q, k, v in bfloat16, got {cfg.dtype}")
-    if cfg.g_dtype not in KERNEL_GATE_DTYPES:
-        reasons.append(f"{backend} needs g in bfloat16, got {cfg.g_dtype}")
-    if cfg.beta_dtype not in KERNEL_GATE_DTYPES:
-        reasons.append(f"{backend} needs beta in bfloat16, got {cfg.beta_dtype}")
-    if cfg.has_initial_state and cfg.initial_state_dtype != "float32":
-        reasons.append(f"{backend} needs initial_state in float32, got {cfg.initial_state_dtype}")
-    if cfg.num_seqs > planner.MAX_GRID_YZ or cfg.num_v_heads > planner.MAX_GRID_YZ:
+    d = contract.HEAD_DIM
+    if cfg.head_k != d or cfg.head_v != d:
+        reasons.append(f"the kernels need K == V == {d}, got K={cfg.head_k}, V={cfg.head_v}")
+    for name, dtype in (("q, k, v", cfg.dtype), ("g", cfg.g_dtype), ("beta", cfg.beta_dtype)):
+        if dtype != contract.DTYPE:
+            reasons.append(f"the kernels need {name} in {contract.DTYPE}, got {dtype}")
+    if cfg.has_initial_state and cfg.initial_state_dtype != contract.STATE_DTYPE:
+        reasons.append(f"the kernels need initial_state in {contract.STATE_DTYPE}, got {cfg.initial_state_dtype}")
+    if cfg.num_seqs > contract.MAX_GRID_YZ or cfg.num_v_heads > contract.MAX_GRID_YZ:
         reasons.append(
-            f"{backend} supports at most {planner.MAX_GRID_YZ} sequences and {planner.MAX_GRID_YZ} value heads "
-            f"per call (CUDA grid limits), got N={cfg.num_seqs}, HV={cfg.num_v_heads}"
-        )
+            f"the kernels support at most {contract.MAX_GRID_YZ} sequences and {contract.MAX_GRID_YZ} value heads "
+            f"per call (CUDA grid limits), got N={cfg.num_seqs}, HV={cfg.num_v_heads}")
     rows = planner.workspace_rows(cfg)
-    if rows >= planner.MAX_WORKSPACE_ROWS:
+    if rows >= contract.MAX_WORKSPACE_ROWS:
         reasons.append(
-            f"{backend} supports ((B*T) // 16 + N) * HV < {planner.MAX_WORKSPACE_ROWS} (32-bit workspace offsets), "
-            f"got {rows} (B*T={cfg.batch * cfg.seqlen}, N={cfg.num_seqs}, HV={cfg.num_v_heads})"
-        )
+            f"the kernels support ((B*T) // 16 + N) * HV < {contract.MAX_WORKSPACE_ROWS} (32-bit workspace "
+            f"offsets), got {rows} (B*T={cfg.batch * cfg.seqlen}, N={cfg.num_seqs}, HV={cfg.num_v_heads})")
     return reasons
 
 
-def build_limits(backend: str) -> list[str]:
-    """Reasons this installation cannot run `backend` at all (extension, kernels, architecture)."""
+def build_limits() -> list[str]:
+    """Reasons this installation cannot run the kernels at all (extension missing or unusable)."""
     reason = _native.unavailable_reason()
-    if reason is not None:
-        return [f"{backend} kernels are unavailable: {reason}"]
-    if FFI_TARGETS[backend] not in _native.registered_targets():
-        return [
-            f"{backend}: the KDA prefill kernels for this architecture are not in this build of jax_kda "
-            "yet (only the XLA path serves prefill); use backend='xla' or 'auto'"
-        ]
-    return []
+    return [] if reason is None else [f"the kernels are unavailable: {reason}"]
 
 
-def default_device():
+def default_device() -> Device | None:
     """The device a call without placement runs on: `jax.default_device` if set, else the first."""
     device = jax.config.jax_default_device
     if isinstance(device, str):  # a platform name
         device = jax.devices(device)[0]
-    if device is not None:
-        return device
-    try:
-        return jax.devices()[0]
-    except RuntimeError:
-        return None
-
-
-def device_backend(device) -> tuple[str | None, str]:
-    """(kernel backend for `device` or None, a description of the device)."""
     if device is None:
-        return None, "no device"
-    if device.platform != "gpu":
-        return None, f"{device.platform} device"
-    cc = getattr(device, "compute_capability", None)
-    name = f"{device.device_kind} (compute capability {cc})"
-    for backend, ccs in BACKEND_CAPABILITIES.items():
-        if cc in ccs:
-            return backend, name
-    return None, name
+        try:
+            device = jax.devices()[0]
+        except RuntimeError:
+            return None
+    return as_device(device)
 
 
-def kernel_limits(cfg: PrefillConfig, backend: str, device) -> list[str]:
-    """Everything that stops `backend`'s kernels from serving this call on `device`."""
-    found, desc = device_backend(device)
-    if found != backend:
-        needs = " or ".join(BACKEND_CAPABILITIES[backend])
-        return [f"{backend} needs a GPU of compute capability {needs}; the default device is a {desc}"]
-    return build_limits(backend) or argument_limits(cfg, backend)
+def as_device(device) -> Device:
+    """A `Device` from a jax device, a `Device`, or a compute capability string such as "10.3"."""
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, str):
+        if device[:1].isdigit():
+            return Device("gpu", device, device_kind="NVIDIA GPU")
+        return Device(device)
+    return Device(device.platform, getattr(device, "compute_capability", None),
+                  getattr(device, "core_count", None) or planner.DEFAULT_NUM_SMS, getattr(device, "device_kind", ""))
 
 
-def choose_backend(cfg: PrefillConfig, requested: str, device=None) -> Decision:
-    """Resolves `requested` ("auto" | "xla" | "sm90" | "sm100") for this call.
+def device_backend(device: Device | None) -> str | None:
+    """The kernel backend ("sm90", "sm100") that runs on `device`, or None."""
+    if device is None or device.platform != "gpu":
+        return None
+    for name, kernels in contract.BACKEND_KERNELS.items():
+        if device.compute_capability in contract.compute_capabilities(kernels):
+            return name
+    return None
+
+
+def plan_for(cfg: PrefillConfig, device: Device | None) -> planner.RecurrencePlan:
+    """The kernel plan for `cfg`, sized for `device`'s SMs (planner.DEFAULT_NUM_SMS off a GPU)."""
+    num_sms = device.core_count if device is not None and device.platform == "gpu" else planner.DEFAULT_NUM_SMS
+    return planner.plan_prefill(cfg, num_sms=num_sms)
+
+
+def decide(cfg: PrefillConfig, requested: str, device=None, *, strict: bool = True) -> Decision:
+    """Resolves `requested` ("auto" | "xla" | "sm90" | "sm100") for this call on `device` (default:
+    the default device; a jax device, a `Device` or a compute capability such as "9.0").
 
     Raises:
-      ValueError: an explicitly requested kernel backend cannot serve the call.
+      ValueError: with `strict`, an explicitly requested kernel backend cannot serve the call's
+        arguments or this installation (the message names the argument and the limit).
     """
+    device = default_device() if device is None else as_device(device)
+    where = None if device is None else str(device)
     if requested == "xla":
-        return Decision(requested, "xla")
-    device = default_device() if device is None else device
+        return Decision(requested, "xla", device=where)
+    reasons = argument_limits(cfg) + build_limits()
     if requested == "auto":
-        backend, desc = device_backend(device)
-        if backend is None:
-            decision = Decision(requested, "xla", (f"no jax_kda kernel for the default device: {desc}",), desc)
-        else:
-            reasons = kernel_limits(cfg, backend, device)
-            decision = Decision(requested, "xla" if reasons else backend, tuple(reasons), desc)
-        if decision.reasons:
+        if not reasons and device is not None and device.platform == "gpu" and device_backend(device) is None:
+            reasons.append(f"no jax_kda kernel for the default device, a {device}")
+        if reasons:
+            decision = Decision(requested, "xla", tuple(reasons), where)
             logger.debug("jax_kda.prefill: %s", decision)
-        return decision
-    reasons = kernel_limits(cfg, requested, device)
+            return decision
+        backend = device_backend(device) or "xla"
+        return Decision(requested, backend, (), where, plan_for(cfg, device), Kernels.FOR_DEVICE)
+    kernels = contract.BACKEND_KERNELS[requested]
     if reasons:
-        raise ValueError("; ".join(reasons))
-    return Decision(requested, requested, (), device_backend(device)[1])
+        if strict:
+            raise ValueError(f"backend={requested!r}: " + "; ".join(reasons))
+        return Decision(requested, "unavailable", tuple(reasons), where)
+    if device_backend(device) != requested:
+        needs = " or ".join(contract.compute_capabilities(kernels))
+        reasons.append(f"{requested} runs on compute capability {needs}; on a {device} the kernels' custom call "
+                       "fails at run time (lowered for another platform: an error when lowering)")
+        return Decision(requested, "unavailable", tuple(reasons), where, plan_for(cfg, device), kernels)
+    return Decision(requested, requested, (), where, plan_for(cfg, device), kernels)

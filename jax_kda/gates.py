@@ -1,6 +1,6 @@
 """The token-wise parts of KDA in JAX: gate activation, beta activation, L2 normalisation.
 
-These are the "in kernel" options of SPEC.md section 1. The XLA path uses them directly; the
+These are the "in kernel" options of the contract (docs/prefill.md). The XLA path uses them directly; the
 kernels compute the same formulas on the device, and their tests compare against these.
 """
 

@@ -1,4 +1,4 @@
-"""The float64 oracle: KDA as a token-by-token recurrence, straight from SPEC.md section 1.
+"""The float64 oracle: KDA as a token-by-token recurrence, straight from the contract (docs/prefill.md).
 
 This is deliberately the simplest possible code (numpy, float64, one token at a time) and shares
 nothing with the chunked XLA path or the kernels, so that agreement with it means something. Tests,

@@ -12,7 +12,7 @@ What it decides today:
     a sequence, so a call with few sequences x heads leaves most SMs idle (h8 x 64K: 16 CTAs on
     132 SMs). With `num_segments` > 1 every sequence is cut into that many chunk-aligned segments
     of `segment_len` tokens (the last takes the rest) that run in parallel
-    (jax_kda/context_parallel.py): one pass over all segments computes each one's zero-start state
+    (jax_kda/kernel.py): one pass over all segments computes each one's zero-start state
     and transition, a small combine gives each segment its true start state, and a second pass
     writes o. It costs a second recurrence pass over twice the columns; `choose_segments` takes it
     only when a simple wave model of the recurrence says it pays.
@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_kda import contract
 from jax_kda.config import PrefillConfig
 
 DEFAULT_NUM_SMS = 132  # H200 / H100 SXM; used when lowering without a device (e.g. on a CPU box)
-KERNEL_CHUNK_SIZE = 16
+KERNEL_CHUNK_SIZE = contract.CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,47 +37,32 @@ class RecurrencePlan:
     v_split: int  # CTAs per (sequence, value head), each owning head_v / v_split state columns
     num_segments: int  # segments per sequence for intracard context parallelism (1 = off)
     segment_len: int  # tokens per segment (0 when num_segments == 1)
-    workspace_bytes: int  # scratch the kernels need, allocated by XLA as an extra result
+    workspace_bytes: int  # scratch the kernels need per call, allocated by XLA as an extra result
 
     def __post_init__(self):
         if self.chunk_size <= 0 or self.v_split <= 0 or self.num_segments <= 0:
             raise ValueError(f"invalid plan {self}")
 
 
-# Bytes per (16-token chunk slot, value head) the SM90 prepare kernel hands to the recurrence:
-# neg_kw, qd, kr (bf16 16x128 each), mqk, w_hi, w_lo (bf16 16x16 each), decay (fp32 128); the
-# recurrence reads v from the input.
-WORKSPACE_BYTES_PER_SLOT = 3 * 4096 + 4 * 512
-# The kernels index the workspace regions with 32-bit element offsets: slots * HV < 2**20.
-MAX_WORKSPACE_ROWS = 1 << 20
-# The recurrence's grid is [V slices, HV, N]: CUDA allows at most 65535 blocks along y and z.
-# (A segmented call's N counts segments.)
-MAX_GRID_YZ = 65535
-# A segmented call's workspace also holds 3 fp32 states [128, 128] per (segment, value head): its
-# zero-start state B, its transition M and its start state.
-STATE_BYTES = 128 * 128 * 4
-V_PER_CTA = 64
-
-
-def workspace_rows(cfg: PrefillConfig) -> int:
-    """Chunk slots x value heads. Sequence n owns slots bos // 16 + n + c (c < ceil(len / 16)), so
-    (B*T) // 16 + N slots cover every sequence of any packing, tails included."""
-    return ((cfg.batch * cfg.seqlen) // KERNEL_CHUNK_SIZE + cfg.num_seqs) * cfg.num_v_heads
+def workspace_rows(cfg: PrefillConfig, num_segments: int = 1) -> int:
+    """Workspace rows (chunk slots x value heads) of the kernels' call(s) for `cfg`."""
+    return contract.workspace_rows(cfg.batch * cfg.seqlen, cfg.num_seqs, num_segments, cfg.num_v_heads)
 
 
 # The recurrence wave model (measured on the H200, ncu): a 16-token chunk step takes ~0.66 us with
 # one CTA per SM and ~0.78 us with two (~70-75 KB of shared memory each: at most two fit). The combine
-# between the passes (csrc/kernels/sm90/combine_segments.py) is serial over segments, one step per
+# between the passes (csrc/kernels/common/combine_segments.py) is serial over segments, one step per
 # segment boundary, an fp32 [128 x 128] x [128 x block] product per CTA. Its launcher takes 8-column
 # blocks (16 CTAs per sequence and value head) when those fit at one CTA per SM, else 16-column
 # blocks (8 CTAs). Measured per step (sweep_segments.py): 2.7 us with 8 columns, 3.7 us with 16
 # columns at one CTA per SM, about proportionally longer with more CTAs per SM (HV = 32, 4 and 8
 # segments: 8.3 and 7.1 us per step at two per SM).
-RECURRENCE_CTAS_PER_SM = 2
+RECURRENCE_CTAS_PER_SM = contract.RECURRENCE_CTAS_PER_SM
 STEP_US_ALONE, STEP_US_SHARED = 0.66, 0.78
 COMBINE_NARROW_CTAS, COMBINE_NARROW_STEP_US = 16, 2.7
 COMBINE_WIDE_CTAS, COMBINE_WIDE_STEP_US = 8, 3.7
 SEGMENT_CHOICES = (2, 4, 8, 16, 32, 64)
+assert max(SEGMENT_CHOICES) == contract.MAX_SEGMENTS
 # Take segments only when the model predicts less than 91 % of the unsegmented recurrence time. On
 # the h32_fixed32k sweep the model's ratios (segmented / whole) were 0.903, 0.925, 0.968 for 4, 8, 16
 # segments against 0.905, 0.911, 0.942 measured (4 segments: 2238 -> 2119 us end to end), while its
@@ -104,7 +90,7 @@ def recurrence_us(cfg: PrefillConfig, num_segments: int, num_sms: int) -> float:
         step = STEP_US_SHARED if ctas > num_sms else STEP_US_ALONE
         return -(-ctas // slots) * steps * step
 
-    base = cfg.num_seqs * cfg.num_v_heads * max(cfg.head_v // V_PER_CTA, 1)
+    base = cfg.num_seqs * cfg.num_v_heads * contract.V_SPLIT
     if num_segments == 1:
         return waves(base, -(-longest_sequence(cfg) // KERNEL_CHUNK_SIZE))
     steps = segment_length(cfg, num_segments) // KERNEL_CHUNK_SIZE
@@ -122,26 +108,12 @@ def combine_us(cfg: PrefillConfig, num_segments: int, num_sms: int) -> float:
     return (num_segments - 1) * COMBINE_WIDE_STEP_US * per_sm
 
 
-def segmented_workspace_rows(cfg: PrefillConfig, num_segments: int) -> int:
-    """Workspace rows when every sequence is cut into `num_segments` segments."""
-    return ((cfg.batch * cfg.seqlen) // KERNEL_CHUNK_SIZE + cfg.num_seqs * num_segments) * cfg.num_v_heads
-
-
 def segments_fit(cfg: PrefillConfig, num_segments: int) -> bool:
     """Whether the kernels' limits allow `num_segments` segments per sequence: the workspace's 32-bit
-    offsets, and the recurrence's grid (its N counts segments)."""
-    if segmented_workspace_rows(cfg, num_segments) >= MAX_WORKSPACE_ROWS:
+    offsets, and the recurrence's grid (sequences x segments along z)."""
+    if workspace_rows(cfg, num_segments) >= contract.MAX_WORKSPACE_ROWS:
         return False
-    return cfg.num_seqs * num_segments <= MAX_GRID_YZ
-
-
-def workspace_bytes(cfg: PrefillConfig, num_segments: int) -> int:
-    """The kernels' workspace: prepare's operands per chunk slot and head, and for a segmented
-    call three states per (segment, value head)."""
-    size = segmented_workspace_rows(cfg, num_segments) * WORKSPACE_BYTES_PER_SLOT
-    if num_segments > 1:
-        size += 3 * cfg.num_seqs * num_segments * cfg.num_v_heads * STATE_BYTES
-    return size
+    return cfg.num_seqs * num_segments <= contract.MAX_GRID_YZ
 
 
 def choose_segments(cfg: PrefillConfig, num_sms: int) -> int:
@@ -169,14 +141,14 @@ def plan_prefill(cfg: PrefillConfig, *, num_sms: int = DEFAULT_NUM_SMS,
     shapes); the override must keep the workspace within the kernels' 32-bit offsets.
     """
     n = choose_segments(cfg, num_sms) if num_segments is None else num_segments
-    if n < 1 or n > max(SEGMENT_CHOICES) or not segments_fit(cfg, n):
-        raise ValueError(f"num_segments={n} is not possible for this call (1..{max(SEGMENT_CHOICES)}; "
-                         f"workspace rows {segmented_workspace_rows(cfg, n)} < {MAX_WORKSPACE_ROWS}; "
-                         f"sequences x segments {cfg.num_seqs * n} of at most {MAX_GRID_YZ})")
+    if n < 1 or n > contract.MAX_SEGMENTS or not segments_fit(cfg, n):
+        raise ValueError(f"num_segments={n} is not possible for this call (1..{contract.MAX_SEGMENTS}; "
+                         f"workspace rows {workspace_rows(cfg, n)} < {contract.MAX_WORKSPACE_ROWS}; "
+                         f"sequences x segments {cfg.num_seqs * n} of at most {contract.MAX_GRID_YZ})")
     return RecurrencePlan(
         chunk_size=KERNEL_CHUNK_SIZE,
-        v_split=max(cfg.head_v // V_PER_CTA, 1),
+        v_split=contract.V_SPLIT,
         num_segments=n,
         segment_len=segment_length(cfg, n) if n > 1 else 0,
-        workspace_bytes=workspace_bytes(cfg, n),
+        workspace_bytes=contract.workspace_bytes(cfg.batch * cfg.seqlen, cfg.num_seqs, n, cfg.num_v_heads),
     )

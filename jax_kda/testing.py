@@ -1,7 +1,7 @@
 """Named workloads and random inputs for them, shared by the tests, the benchmarks and the demo.
 
 `make_inputs` draws fresh random data for a `Workload` (never zeros): q/k/v normal, beta logits or
-values in (0, 1), and gates in one of the SPEC forms. The gate draws cover the hard cases: very
+values in (0, 1), and gates in one of the contract's forms (docs/prefill.md). The gate draws cover the hard cases: very
 negative pre-activated decays (down to `decay_floor` per token) and long memory (decays near 0).
 """
 
@@ -113,6 +113,54 @@ def make_inputs(w: Workload, rng: np.random.Generator) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+_D = dict(head_k=128, head_v=128)
+W = Workload
+
+# The accuracy matrix every backend is tested on (K = V = 128, bf16, the kernels' shapes): both gate
+# forms and pre-activated gates down to -60 per token, long memory, T = 0, 1, 15, 16, 17, 33 and
+# long, H = 1 and H = 12, grouped value heads, packed sequences with zero-length ones, B > 1, both
+# state layouts, with and without the states. tests/test_prefill_matrix.py runs it over the XLA path
+# and every kernel build the machine can run; tests/sanitize_prefill.py runs it under
+# compute-sanitizer.
+ACCURACY_MATRIX = (
+    W("t0", seqlen=0, **_D),
+    W("t1", seqlen=1, **_D),
+    W("t15", seqlen=15, **_D),
+    W("t16", seqlen=16, **_D),
+    W("t17", seqlen=17, **_D),
+    W("t33_h1", seqlen=33, heads=1, **_D),
+    W("h12_t100", seqlen=100, heads=12, **_D),
+    W("batch3_t70", batch=3, seqlen=70, **_D),
+    W("softplus", seqlen=300, gate="softplus", **_D),
+    W("lower_bound_no_a_log", seqlen=300, gate="lower_bound_no_a_log", **_D),
+    W("pre_minus30", seqlen=300, gate="preactivated", decay_floor=-30.0, **_D),
+    W("pre_minus60", seqlen=300, gate="preactivated", decay_floor=-60.0, **_D),
+    W("long_memory_lb", seqlen=4096, heads=2, long_memory=True, lower_bound=-1.0, **_D),
+    W("long_memory_softplus", seqlen=2048, heads=2, gate="softplus", long_memory=True, **_D),
+    W("gqa_v_first", seqlen=200, heads=2, v_heads=8, state_v_first=True, **_D),
+    W("no_initial_state", seqlen=100, initial_state=False, **_D),
+    W("no_final_state", seqlen=100, output_final_state=False, **_D),
+    W("flags_off", seqlen=100, l2norm=False, beta_sigmoid=False, gate="preactivated", **_D),
+    W("packed_mixed", seqlens=(13, 0, 64, 1, 100, 0, 31, 16, 17), heads=3, v_heads=12, **_D),
+    W("packed_leading_empty", seqlens=(0, 0, 250, 17), gate="softplus", state_v_first=True, **_D),
+    W("packed_all_empty", seqlens=(0, 0), **_D),
+)
+
+# Intracard context parallelism forced onto small shapes: (workload, segments per sequence).
+SEGMENTED_MATRIX = (
+    (W("seg_dense_b2", batch=2, seqlen=300, heads=2, **_D), 3),
+    (W("seg_packed", seqlens=(13, 0, 250, 1, 100), heads=3, v_heads=6, gate="softplus", **_D), 4),
+    (W("seg_long_memory", seqlen=2048, heads=2, long_memory=True, lower_bound=-1.0, **_D), 8),
+    (W("seg_h12_v_first_no_initial", seqlen=500, heads=12, state_v_first=True, initial_state=False, **_D), 5),
+    (W("seg_pre_minus60", seqlen=200, gate="preactivated", decay_floor=-60.0, **_D), 2),
+    (W("seg_no_final_state", seqlen=200, output_final_state=False, **_D), 2),
+    (W("seg_gqa_v_first_state", seqlen=400, heads=2, v_heads=8, state_v_first=True, **_D), 3),
+    # A long combine chain (16 segments, two sequences, a given state; 80-token segments, the last
+    # shorter).
+    (W("seg_16_dense_b2", batch=2, seqlen=1250, heads=3, **_D), 16),
+)
+
+
 def gold_kwargs(kwargs: dict) -> dict:
     """`prefill` kwargs as `jax_kda.gold.recurrence` takes them (numpy, no backend/output flags)."""
     out = {k: v for k, v in kwargs.items() if k not in ("backend", "output_final_state")}
@@ -122,6 +170,33 @@ def gold_kwargs(kwargs: dict) -> dict:
 def as_numpy64(args) -> list[np.ndarray]:
     """The (already rounded) inputs as float64 numpy arrays, for the gold recurrence."""
     return [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in args]
+
+
+# The accuracy bar of the tests (docs/prefill.md, "Accuracy"): err_ratio against the float64 gold.
+ERR_RATIO_BAR = 5e-3
+
+
+def check_against_gold(label: str, w: Workload, args, kwargs, o, final, bar: float = ERR_RATIO_BAR):
+    """o and the final state of a prefill of `w` against the float64 recurrence on the same (rounded)
+    inputs; raises AssertionError past `bar`. Prints the err_ratio lines tests/run_gpu.sh collects
+    and returns (o err_ratio, state err_ratio or None)."""
+    from jax_kda import gold
+
+    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
+    o32 = np.asarray(jnp.asarray(o, jnp.float32))
+    assert o.dtype == jnp.dtype(w.dtype) and o.shape == gold_o.shape, (o.dtype, o.shape, gold_o.shape)
+    assert np.all(np.isfinite(o32)), f"{label}: o is not finite"
+    o_err = gold.err_ratio(o32, gold_o)
+    print(f"{label}: o err_ratio {o_err:.2e}")
+    assert o_err <= bar, f"{label}: o err_ratio {o_err:.2e} > {bar}"
+    if not w.output_final_state:
+        assert final is None
+        return o_err, None
+    s_err = gold.err_ratio(np.asarray(final), gold_final)
+    print(f"{label}: state err_ratio {s_err:.2e}")
+    assert final.dtype == jnp.float32 and final.shape == gold_final.shape
+    assert s_err <= bar, f"{label}: state err_ratio {s_err:.2e} > {bar}"
+    return o_err, s_err
 
 
 def _grid_case(name: str, heads: int, seqlen: int = 0, seqlens: tuple[int, ...] | None = None) -> Workload:
@@ -141,8 +216,8 @@ def _grid_case(name: str, heads: int, seqlen: int = 0, seqlens: tuple[int, ...] 
 
 MIXED_SEQLENS = (1300, 547, 2048, 963, 271, 3063)
 
-# shared/BENCHMARKS.md: D = 128, bf16, lower-bound gate -5 with gate / beta sigmoid / l2norm in the
-# kernel, fp32 initial and final state in the [N, H, V, K] layout.
+# The benchmark grid (benchmarks/BENCHMARK_H200.md): D = 128, bf16, lower-bound gate -5 with gate /
+# beta sigmoid / l2norm in the kernel, fp32 initial and final state in the [N, H, V, K] layout.
 BENCHMARK_GRID = (
     _grid_case("h96_fixed8k", 96, seqlen=8192),
     _grid_case("h96_mixed", 96, seqlens=MIXED_SEQLENS),
@@ -156,8 +231,8 @@ BENCHMARK_GRID = (
     _grid_case("h16_8x4k", 16, seqlens=(4096,) * 8),
 )
 
-# Two of the six FlashKDA acceptance shapes (64 and 96 heads x fixed 8K, mixed, 8x1K) that
-# shared/BENCHMARKS.md does not time (no FlashKDA or FLA figure there): benchmarked next to the grid.
+# Two more shapes of the 64- and 96-head serving regime (64 heads, mixed and 8 x 1K packed),
+# benchmarked next to the grid.
 EXTRA_CASES = (
     _grid_case("h64_mixed", 64, seqlens=MIXED_SEQLENS),
     _grid_case("h64_8x1k", 64, seqlens=(1024,) * 8),
@@ -174,25 +249,21 @@ def hbm_floor_bytes(w: Workload) -> int:
     return t * per_token + 2 * 4 * n * hv * k * v
 
 
-# The Blackwell (sm_100a) prefill kernels, also built for sm_90a so that a Hopper GPU can test them.
-MMA_ON_HOPPER_TARGET = "jax_kda_prefill_sm90_mma"
-
-
-def prefill_on_target(target: str, q, k, v, g, beta, *, num_segments: int | None = None, **kwargs):
-    """`jax_kda.prefill(q, k, v, g, beta, **kwargs)` run by the kernels behind custom call `target`,
-    bypassing backend dispatch (testing only: e.g. MMA_ON_HOPPER_TARGET on a Hopper GPU).
+def prefill_with_kernels(kernels, q, k, v, g, beta, *, num_segments: int | None = None, **kwargs):
+    """`jax_kda.prefill(q, k, v, g, beta, **kwargs)` on the kernels of request `kernels` (a
+    `contract.Kernels`), bypassing backend dispatch: testing only, e.g.
+    `Kernels.MMA_SYNC_ON_SM90` (the Blackwell kernels built for sm_90a) on a Hopper GPU.
     `num_segments` overrides the planner's intracard context parallelism (None: its choice)."""
-    from jax_kda import _native, planner
-    from jax_kda.api import kernel_prefill
-    from jax_kda.config import validate
+    from jax_kda import _native, kernel, planner
+    from jax_kda.config import Operands, validate
 
-    # Backend dispatch is what normally loads the extension and registers its targets; do it here
+    # Backend dispatch is what normally loads the extension and registers its target; do it here
     # (a no-op without the kernels, so this still lowers on a machine without a GPU).
     _native.registered_targets()
     if kwargs.get("cu_seqlens") is not None:
         kwargs["cu_seqlens"] = jnp.asarray(kwargs["cu_seqlens"])
     cfg = validate(q, k, v, g, beta, **kwargs)
     plan = planner.plan_prefill(cfg, num_segments=num_segments)
-    return kernel_prefill(cfg, plan, target, q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"),
-                          kwargs.get("cu_seqlens"), kwargs.get("initial_state"))
-
+    ops = Operands(q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("cu_seqlens"),
+                   kwargs.get("initial_state"))
+    return kernel.prefill(ops, cfg, plan, kernels)

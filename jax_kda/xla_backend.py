@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_kda.config import PrefillConfig
+from jax_kda.config import Operands, PrefillConfig
 from jax_kda.gates import beta_activation, l2_normalize, log_decay
 
 CHUNK_SIZE = 64
@@ -155,21 +155,10 @@ def _pad_tokens(x: jax.Array, length: int) -> jax.Array:
     return jnp.pad(x, pad)
 
 
-def prefill(
-    cfg: PrefillConfig,
-    q,
-    k,
-    v,
-    g,
-    beta,
-    *,
-    initial_state=None,
-    cu_seqlens=None,
-    A_log=None,
-    dt_bias=None,
-    chunk_size: int = CHUNK_SIZE,
-):
+def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
     """The XLA path of `jax_kda.prefill` for a validated call. Returns (o, final_state or None)."""
+    q, k, v, g, beta = ops.q, ops.k, ops.v, ops.g, ops.beta
+    initial_state, cu_seqlens, A_log, dt_bias = ops.initial_state, ops.cu_seqlens, ops.A_log, ops.dt_bias
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     compute = jnp.promote_types(jnp.dtype(cfg.dtype), jnp.float32)

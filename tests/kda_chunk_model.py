@@ -1,6 +1,6 @@
 """Numpy model of the SM90 KDA prefill kernels' chunked algorithm (csrc/kernels/sm90).
 
-This mirrors, step by step, what `prepare_chunks` and `chunk_recurrence` compute, with
+This mirrors, step by step, what `prepare_chunks` and the recurrence (csrc/kernels/common/recurrence.py) compute, with
 the same chunk size, the same exponent handling and the same rounding points: bf16 where the
 recurrence feeds a tensor-core MMA (U as a hi + lo pair of bf16), TF32 where `prepare_chunks`
 does (round to nearest, ties away; the fast path's pair-product factors truncated), fp32
@@ -140,7 +140,7 @@ def prepare_chunk(q, k, v, g2, beta, scale):
 
 
 def recurrence_chunk(state, ops):
-    """One chunk of `chunk_recurrence` on an fp32 state [K, V]; returns (o [n, V] bf16-rounded, state).
+    """One chunk of the recurrence on an fp32 state [K, V]; returns (o [n, V] bf16-rounded, state).
     U enters its two MMAs as two bf16 operands, hi = bf16(U) and lo = bf16(U - hi)."""
     s_bf = bf16_round(state)
     u = ops["vw"] + ops["neg_kw"] @ s_bf

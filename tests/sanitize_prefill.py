@@ -1,53 +1,50 @@
-"""Small prefill calls for compute-sanitizer (memcheck, racecheck): run by tests/run_gpu.sh; both the
-sm90 kernels and the sm100 kernels built for sm_90a.
+"""The accuracy matrix through every Hopper-runnable kernel build, for compute-sanitizer (memcheck,
+racecheck): run by tests/run_gpu.sh.
 
-    compute-sanitizer --tool memcheck --kernel-name kns=kernel_cutlass python tests/sanitize_prefill.py
+    compute-sanitizer --tool memcheck --kernel-name kns=kernel_cutlass python tests/sanitize_prefill.py [--max-tokens N]
 
-Covers packed sequences with zero-length ones and partial 16-token tiles, H = 12, T = 17, dense
-B > 1, no initial state, the in-place (aliased) state, and persistent prepare CTAs that process
-several items each; and the segmented (context-parallel) path: its summary call, combine and apply
-call, with partial and empty segments. Exits non-zero if a result is off.
+Runs `jax_kda.testing.ACCURACY_MATRIX` (packed sequences with zero-length ones and partial 16-token
+tiles, H = 12, T = 0..33, dense B > 1, no initial state, the in-place state, every gate form) on
+backend="sm90" and on the Blackwell kernels built for sm_90a, `SEGMENTED_MATRIX` (summary call,
+combine, apply call, with partial and empty segments) on both, and one call with more (chunk, head)
+items than prepare has persistent CTAs (CTAs walk several items and reuse their input stages).
+`--max-tokens` skips the cases with more tokens (racecheck is slow on the long ones). Every result
+is checked against the float64 recurrence; exits non-zero if one is off.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 import numpy as np
 
-import jax_kda
-from jax_kda import gold
-from jax_kda.primitive import FFI_TARGETS
-from jax_kda.testing import MMA_ON_HOPPER_TARGET, Workload, as_numpy64, gold_kwargs, make_inputs, prefill_on_target
+from jax_kda.contract import Kernels
+from jax_kda.testing import SEGMENTED_MATRIX, ACCURACY_MATRIX, Workload, check_against_gold, make_inputs, prefill_with_kernels
 
-D = dict(head_k=128, head_v=128)
-CASES = [
-    Workload("packed_h12", seqlens=(17, 0, 33, 1, 0), heads=12, **D),
-    Workload("dense_t17_b2", batch=2, seqlen=17, heads=2, gate="softplus", **D),
-    Workload("pre_minus60_no_state", seqlen=40, heads=1, gate="preactivated", decay_floor=-60.0,
-             initial_state=False, state_v_first=True, **D),
-    # More (chunk, head) items than prepare_chunks has CTAs on a 132-SM GPU (3 per SM): CTAs walk
-    # several items and reuse their two input stages.
-    Workload("multi_item", seqlen=4000, heads=2, **D),
-]
+# 1200 tokens x 8 heads = 600 items, more than the 4 x 132 persistent prepare CTAs of an H200.
+MULTI_ITEM = Workload("multi_item", seqlen=1200, heads=8, head_k=128, head_v=128)
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--max-tokens", type=int, default=None)
+limit = parser.parse_args().max_tokens
 seed = int(os.environ.get("JAX_KDA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 print(f"JAX_KDA_TEST_SEED={seed}")
 rng = np.random.default_rng(seed)
-failed = False
-RUNNERS = {
-    "sm90": lambda *a, **kw: jax_kda.prefill(*a, backend="sm90", **kw),
-    "sm100 kernels built for sm_90a": lambda *a, **kw: prefill_on_target(MMA_ON_HOPPER_TARGET, *a, **kw),
-    "sm90, 3 segments": lambda *a, **kw: prefill_on_target(FFI_TARGETS["sm90"], *a, num_segments=3, **kw),
-}
-for w in CASES:
+cases = [(w, None) for w in (*ACCURACY_MATRIX, MULTI_ITEM)] + list(SEGMENTED_MATRIX)
+failed = 0
+for w, segments in cases:
+    if limit is not None and w.total_tokens > limit:
+        continue
     args, kwargs = make_inputs(w, rng)
-    gold_o, gold_final = gold.recurrence(*as_numpy64(args), **gold_kwargs(kwargs))
-    for name, run in RUNNERS.items():
-        o, final = run(*args, **kwargs)
-        o_err = gold.err_ratio(np.asarray(o, np.float32), gold_o)
-        s_err = gold.err_ratio(np.asarray(final), gold_final)
-        print(f"{w.name} [{name}]: o {o_err:.2e} state {s_err:.2e}")
-        failed |= not (o_err <= 5e-3 and s_err <= 5e-3)
+    for kernels in (Kernels.SM90, Kernels.MMA_SYNC_ON_SM90):
+        label = f"{w.name}{'' if segments is None else f' x{segments}'} [{kernels.name}]"
+        try:
+            o, final = prefill_with_kernels(kernels, *args, num_segments=segments, **kwargs)
+            check_against_gold(label, w, args, kwargs, o, final)
+        except AssertionError as e:
+            print(f"FAILED {label}: {e}")
+            failed += 1
+print(f"{failed} failed")
 sys.exit(1 if failed else 0)

@@ -1,7 +1,7 @@
-"""Intracard context parallelism (jax_kda/context_parallel.py, planner): the segmentation and the
-combine's math against the float64 recurrence, the planner's choice, and the two-call lowering. CPU
-only; the kernels' side (summary, combine and apply kernels) runs in tests/test_prefill_sm90.py on
-a GPU."""
+"""Intracard context parallelism (jax_kda/kernel.py, planner): the segmentation and the combine's
+math against the float64 recurrence, and the planner's choice. CPU only; the two-call lowering is in
+tests/test_lowering.py, and the kernels' side (summary, combine and apply kernels) runs in
+tests/test_prefill_matrix.py on a GPU."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kda import gold, planner
+from jax_kda import contract, gold, planner
 from jax_kda.config import validate
-from jax_kda.context_parallel import segment_offsets
-from jax_kda.primitive import FFI_TARGETS
-from jax_kda.testing import BENCHMARK_GRID, prefill_on_target
+from jax_kda.kernel import segment_offsets
+from jax_kda.testing import BENCHMARK_GRID
 
 S = jax.ShapeDtypeStruct
 
@@ -38,7 +37,7 @@ def test_segment_offsets_cut_each_sequence_into_chunk_aligned_segments():
 
 
 def _combine(summaries, initial, num_seqs, num_segments):
-    """Float64 reference of csrc/kernels/sm90/combine_segments.py: start_0 = initial (or 0),
+    """Float64 reference of csrc/kernels/common/combine_segments.py: start_0 = initial (or 0),
     start_{j+1} = M_j start_j + B_j over each sequence's segments."""
     _, hv, k, v = summaries.shape
     parts = summaries.reshape(num_seqs, num_segments, 2, hv, k, v)
@@ -116,7 +115,7 @@ def test_segmented_workspace_holds_three_states_per_segment_and_head():
     cfg = _cfg("h12_fixed8k")
     plan = planner.plan_prefill(cfg, num_segments=4)
     rows = (8192 // 16 + 4) * 12
-    assert plan.workspace_bytes == rows * planner.WORKSPACE_BYTES_PER_SLOT + 3 * 4 * 12 * 128 * 128 * 4
+    assert plan.workspace_bytes == rows * contract.WORKSPACE_BYTES_PER_ROW + 3 * 4 * 12 * 128 * 128 * 4
 
 
 def test_planner_keeps_segments_within_the_grid_limit():
@@ -133,33 +132,3 @@ def test_planner_rejects_a_segment_count_beyond_the_workspace_limit():
     assert planner.plan_prefill(cfg, num_segments=1).num_segments == 1
     with pytest.raises(ValueError, match="num_segments"):
         planner.plan_prefill(cfg, num_segments=64)
-
-
-def test_segmented_call_lowers_to_a_summary_call_then_an_apply_call():
-    b, t, h, d = 2, 100, 3, 128
-    x = S((b, t, h, d), jnp.bfloat16)
-    beta = S((b, t, h), jnp.bfloat16)
-    state = S((b, h, d, d), jnp.float32)
-
-    def f(q, k, v, g, beta, state):
-        return prefill_on_target(FFI_TARGETS["sm90"], q, k, v, g, beta, initial_state=state, num_segments=3,
-                                 output_final_state=True, state_v_first=True)
-
-    text = jax.jit(f).trace(x, x, x, x, beta, state).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
-    assert len(calls) == 2
-    summary, apply = calls
-    assert "phase = 1 : i32" in summary and "phase = 2 : i32" in apply
-    assert all("num_segments = 3 : i32" in c and "varlen = 1 : i32" in c for c in calls)
-    # The summary call takes the 2 sequences' initial state (K-first) and returns an empty o and an
-    # empty final state: B, M and the start states stay in its workspace.
-    summary_in, summary_out = summary.split("->")
-    assert "tensor<2x3x128x128xf32>" in summary_in
-    assert "tensor<0x0x0x0xbf16>" in summary_out and "tensor<0xf32>" in summary_out
-    assert "output_operand_aliases" not in summary
-    # The apply call has no initial state operand, reuses the summary's workspace in place and
-    # returns the 6 segments' final states.
-    apply_in, apply_out = apply.split("->")
-    assert "tensor<0xf32>" in apply_in and "tensor<6x3x128x128xf32>" in apply_out
-    assert "operand_index = 8" not in apply and "operand_index = 9" in apply
-    assert "tensor<200x3x128xbf16>" in apply.split("->")[1] or "tensor<1x200x3x128xbf16>" in apply.split("->")[1]

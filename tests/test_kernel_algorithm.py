@@ -21,7 +21,7 @@ def err_ratio(x, gold):
 
 def token_recurrence_f64(q, k, v, g, beta, *, scale, initial_state, gate_mode, a_log, dt_bias,
                          lower_bound, use_qk_l2norm, use_beta_sigmoid):
-    """SPEC.md section 1, float64, one token at a time."""
+    """The recurrence of docs/prefill.md, float64, one token at a time."""
     t_len, h_q, _ = q.shape
     hv_count = v.shape[1]
     group = hv_count // h_q
@@ -165,7 +165,7 @@ def _slot_chunk_by_search(cu, n_seqs, total, slot):
 
 def test_sequence_cursor_matches_binary_search():
     """prepare_chunks' persistent CTAs find each item's sequence with a cursor that only moves
-    forward (csrc/kernels/sm90/prepare_chunks.py, locate_item); same chunks as a binary search."""
+    forward (csrc/kernels/common/prepare_chunks.py, locate_item); same chunks as a binary search."""
     rng = np.random.default_rng()
     big = 2**31 - 1
     for _ in range(500):
@@ -193,7 +193,7 @@ def test_sequence_cursor_matches_binary_search():
 
 def test_item_stepping_matches_division():
     """prepare_chunks' persistent CTAs step (slot, hv, hq) by num_ctas without dividing
-    (csrc/kernels/sm90/prepare_chunks.py, advance_item); same coordinates as item // HV."""
+    (csrc/kernels/common/prepare_chunks.py, advance_item); same coordinates as item // HV."""
     rng = np.random.default_rng()
     for _ in range(300):
         h_q = int(rng.integers(1, 9))

@@ -1,4 +1,6 @@
-"""The kernel primitive lowers, on a machine without a GPU, to the FFI custom call for CUDA."""
+"""The kernel primitive's lowering, on a machine without a GPU: the custom call for CUDA, the XLA path
+for every other platform, whatever the tracing process's default device; `jax.export` from a CPU host;
+the segmented pair of calls."""
 
 from __future__ import annotations
 
@@ -8,60 +10,55 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_kda import planner
-from jax_kda.config import GateMode, validate
-from jax_kda.primitive import FFI_TARGETS, kernel_operands, prefill_call
+import jax_kda
+from jax_kda import _native, contract, planner
+from jax_kda.config import validate
+from jax_kda.contract import GateMode, Kernels, Phase
+from jax_kda.testing import prefill_with_kernels
 
 S = jax.ShapeDtypeStruct
+TARGET = contract.FFI_TARGET
+NO_TARGET_CHECK = [jax.export.DisabledSafetyCheck.custom_call(TARGET)]
+
+# "auto" binds the kernel primitive only where the extension is installed (CI builds it).
+pytestmark = pytest.mark.skipif(_native.unavailable_reason() is not None,
+                                reason=f"kernels not built: {_native.unavailable_reason()}")
 
 
-def _lower(backend="sm90", *, packed=False, initial_state=True, output_final_state=True, **flags):
-    b, t, h, hv, d = (1, 300, 4, 12, 128) if packed else (2, 100, 4, 12, 128)
-    arrays = dict(
-        q=S((b, t, h, d), jnp.bfloat16),
-        k=S((b, t, h, d), jnp.bfloat16),
-        v=S((b, t, hv, d), jnp.bfloat16),
-        g=S((b, t, hv, d), jnp.bfloat16),
-        beta=S((b, t, hv), jnp.bfloat16),
-    )
+def _call(*, packed=False, initial_state=True, output_final_state=True, d=128, **flags):
+    """(function of the arrays, their ShapeDtypeStructs) for a prefill with the given flags."""
+    b, t, h, hv = (1, 300, 4, 12) if packed else (2, 100, 4, 12)
     n = 5 if packed else b
-    extra = dict(
-        A_log=S((hv,), jnp.float32),
-        dt_bias=S((hv * d,), jnp.float32),
-        cu_seqlens=S((n + 1,), jnp.int32) if packed else None,
-        initial_state=S((n, hv, d, d), jnp.float32) if initial_state else None,
-    )
-    kwargs = dict(
-        scale=0.125,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        lower_bound=-5.0,
-        use_beta_sigmoid_in_kernel=True,
-        state_v_first=False,
-    )
-    kwargs.update(flags)
-    cfg = validate(*arrays.values(), backend=backend, **extra, **kwargs)
-    plan = planner.plan_prefill(cfg, num_sms=132)
+    arrays = dict(q=S((b, t, h, d), jnp.bfloat16), k=S((b, t, h, d), jnp.bfloat16), v=S((b, t, hv, d), jnp.bfloat16),
+                  g=S((b, t, hv, d), jnp.bfloat16), beta=S((b, t, hv), jnp.bfloat16),
+                  A_log=S((hv,), jnp.float32), dt_bias=S((hv * d,), jnp.float32))
+    if packed:
+        arrays["cu_seqlens"] = S((n + 1,), jnp.int32)
+    if initial_state:
+        arrays["initial_state"] = S((n, hv, d, d), jnp.float32)
+    static = dict(scale=0.125, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+    static.update(flags)
+    names = list(arrays)
 
-    def f(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state):
-        ops = kernel_operands(cfg, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state)
-        return prefill_call(cfg, plan, FFI_TARGETS[backend], *ops)
+    def f(*values):
+        kw = dict(zip(names, values))
+        return jax_kda.prefill(kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("g"), kw.pop("beta"), **kw, **static)
 
-    lowered = jax.jit(f).trace(*arrays.values(), *extra.values()).lower(lowering_platforms=("cuda",))
-    return cfg, plan, lowered.as_text()
+    return f, list(arrays.values())
 
 
-def _custom_call(text: str) -> str:
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
-    assert len(calls) == 1, calls
-    return calls[0]
+def _lower(f, specs, platforms=("cuda",)) -> str:
+    return jax.jit(f).trace(*specs).lower(lowering_platforms=platforms).as_text()
+
+
+def _custom_calls(text: str) -> list[str]:
+    return [line for line in text.splitlines() if f"stablehlo.custom_call @{TARGET}" in line]
 
 
 def test_custom_call_target_and_typed_attributes():
-    cfg, plan, text = _lower("sm90")
-    call = _custom_call(text)
-    assert "@jax_kda_prefill_sm90" in call
+    f, specs = _call()
+    (call,) = _custom_calls(_lower(f, specs))
     assert "mhlo.backend_config = {" in call  # typed FFI attributes (custom-call API version 4)
     expected = {
         "gate_mode": f"{int(GateMode.LOWER_BOUND_A_LOG)} : i32",
@@ -72,57 +69,119 @@ def test_custom_call_target_and_typed_attributes():
         "state_v_first": "0 : i32",
         "has_initial_state": "1 : i32",
         "output_final_state": "1 : i32",
-        "has_dt_bias": "1 : i32",
         "varlen": "0 : i32",
-        "chunk_size": f"{plan.chunk_size} : i32",
-        "v_split": f"{plan.v_split} : i32",
+        "chunk_size": f"{contract.CHUNK} : i32",
+        "v_split": f"{contract.V_SPLIT} : i32",
+        "num_sequences": "2 : i32",
         "num_segments": "1 : i32",
-        "segment_len": "0 : i32",
-        "phase": "0 : i32",
+        "phase": f"{int(Phase.WHOLE)} : i32",
+        "kernels": f"{int(Kernels.FOR_DEVICE)} : i32",  # auto: the device's kernels, resolved at run time
     }
     for name, value in expected.items():
         assert re.search(rf"\b{name} = {re.escape(value)}", call), f"{name} = {value} not in {call}"
     # The initial state (operand 8) is updated in place as the final state (result 1).
     assert "output_operand_aliases" in call and "operand_index = 8" in call and "output_tuple_indices = [1]" in call
-    # o in bf16, the final state in fp32, the workspace as uint8.
+    # o in bf16, the final state in fp32, the workspace as uint8 (whole 16-token chunk slots).
+    workspace = contract.workspace_bytes(200, 2, 1, 12)
+    assert workspace == (200 // 16 + 2) * 12 * contract.WORKSPACE_BYTES_PER_ROW
     assert "tensor<2x100x12x128xbf16>" in call and "tensor<2x12x128x128xf32>" in call
-    assert f"tensor<{plan.workspace_bytes}xui8>" in call
+    assert f"tensor<{workspace}xui8>" in call
 
 
 def test_packed_call_passes_cu_seqlens_and_skips_absent_state():
-    cfg, plan, text = _lower("sm100", packed=True, initial_state=False, output_final_state=False)
-    call = _custom_call(text)
-    assert "@jax_kda_prefill_sm100" in call
+    f, specs = _call(packed=True, initial_state=False, output_final_state=False, backend="sm100")
+    (call,) = _custom_calls(_lower(f, specs))
     assert re.search(r"\bvarlen = 1 : i32", call) and re.search(r"\bhas_initial_state = 0 : i32", call)
+    assert re.search(rf"\bkernels = {int(Kernels.SM100)} : i32", call)
     assert "tensor<6xi32>" in call  # cu_seqlens, N + 1 = 6
     assert "output_operand_aliases" not in call
 
 
-def test_plan_sizes_workspace_in_whole_chunk_slots():
-    cfg, plan, _ = _lower("sm90", packed=True)
-    # 300 tokens in 5 packed sequences, 12 value heads: (300 // 16 + 5) slots per head.
-    assert plan.workspace_bytes == (300 // 16 + 5) * 12 * planner.WORKSPACE_BYTES_PER_SLOT
-    assert plan.v_split == 2 and plan.chunk_size == 16 and plan.num_segments == 1
+def test_auto_lowers_to_the_kernels_for_cuda_and_the_xla_path_elsewhere():
+    f, specs = _call(packed=True)
+    assert len(_custom_calls(_lower(f, specs, ("cuda",)))) == 1
+    assert _custom_calls(_lower(f, specs, ("cpu",))) == []
 
 
-def test_kernel_primitive_is_forward_only():
-    cfg, plan, _ = _lower("sm90")
-    with pytest.raises(NotImplementedError, match="forward-only"):
-        jax.jvp(lambda x: prefill_call(cfg, plan, "t", x, x, x, x, x, x, x, x, x, x)[0], (jnp.ones(1),), (jnp.ones(1),))
+@pytest.mark.parametrize(("platforms", "calls"), [(["cuda"], 1), (["cpu"], 0), (["cuda", "cpu"], 1)])
+def test_export_from_a_cpu_host_carries_the_kernels_for_cuda(platforms, calls):
+    f, specs = _call(packed=True)
+    exported = jax.export.export(jax.jit(f), platforms=platforms, disabled_checks=NO_TARGET_CHECK)(*specs)
+    assert len(_custom_calls(exported.mlir_module())) == calls
+    assert exported.platforms == tuple(platforms)
 
 
-def test_prefill_on_target_lowers_to_that_target():
-    from jax_kda.testing import MMA_ON_HOPPER_TARGET, prefill_on_target
+def test_explicit_kernel_backend_exports_for_cuda_and_refuses_other_platforms():
+    f, specs = _call(backend="sm90")
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=NO_TARGET_CHECK)(*specs)
+    (call,) = _custom_calls(exported.mlir_module())
+    assert re.search(rf"\bkernels = {int(Kernels.SM90)} : i32", call)
+    with pytest.raises(ValueError, match=r"backend='sm90' runs only on CUDA GPUs.*lowered for cpu"):
+        _lower(f, specs, ("cpu",))
 
+
+def test_an_ineligible_call_lowers_to_the_xla_path_even_for_cuda():
+    f, specs = _call(d=64)
+    assert _custom_calls(_lower(f, specs, ("cuda",))) == []
+
+
+def test_gradient_lowers_the_kernel_forward_for_cuda():
+    """A training step's loss and gradient: the forward is the kernel (the derivatives are the XLA
+    path's, so a plain jax.grad whose cotangents do not read o drops the kernel call as dead code)."""
+    f, specs = _call()
+
+    def loss(q, *rest):
+        o, final = f(q, *rest)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+    assert len(_custom_calls(_lower(jax.value_and_grad(loss), specs, ("cuda",)))) == 1
+    squared = lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32) ** 2)  # noqa: E731  the cotangent reads o
+    assert len(_custom_calls(_lower(jax.grad(squared), specs, ("cuda",)))) == 1
+
+
+def test_blackwell_kernels_for_hopper_are_requested_by_name():
     q = jnp.zeros((1, 40, 2, 128), jnp.bfloat16)
     beta = jnp.zeros((1, 40, 2), jnp.bfloat16)
     state = jnp.zeros((3, 2, 128, 128), jnp.float32)
     cu = jnp.array([0, 7, 7, 40], jnp.int32)
 
     def f(q, k, v, g, beta, state, cu):
-        return prefill_on_target(MMA_ON_HOPPER_TARGET, q, k, v, g, beta, initial_state=state,
-                                 cu_seqlens=cu, output_final_state=True)
+        return prefill_with_kernels(Kernels.MMA_SYNC_ON_SM90, q, k, v, g, beta, initial_state=state, cu_seqlens=cu,
+                                    output_final_state=True)
 
-    text = jax.jit(f).trace(q, q, q, q, beta, state, cu).lower(lowering_platforms=("cuda",)).as_text()
-    call = _custom_call(text)
-    assert f"@{MMA_ON_HOPPER_TARGET}" in call and "operand_index = 8" in call
+    (call,) = _custom_calls(_lower(f, [q, q, q, q, beta, state, cu]))
+    assert re.search(rf"\bkernels = {int(Kernels.MMA_SYNC_ON_SM90)} : i32", call) and "operand_index = 8" in call
+
+
+def test_segmented_call_lowers_to_a_summary_call_then_an_apply_call():
+    b, t, h, d = 2, 100, 3, 128
+    x = S((b, t, h, d), jnp.bfloat16)
+    beta = S((b, t, h), jnp.bfloat16)
+    state = S((b, h, d, d), jnp.float32)
+
+    def f(q, k, v, g, beta, state):
+        return prefill_with_kernels(Kernels.SM90, q, k, v, g, beta, initial_state=state, num_segments=3,
+                                    output_final_state=True, state_v_first=True)
+
+    calls = _custom_calls(_lower(f, [x, x, x, x, beta, state]))
+    assert len(calls) == 2
+    summary, apply = calls
+    assert f"phase = {int(Phase.SUMMARY)} : i32" in summary and f"phase = {int(Phase.APPLY)} : i32" in apply
+    # Both calls name the sequences and their segments; neither has to divide one by the other.
+    assert all("num_sequences = 2 : i32" in c and "num_segments = 3 : i32" in c and "varlen = 1 : i32" in c
+               for c in calls)
+    # The summary call takes the 2 sequences' initial state (K-first) and returns an empty o and an
+    # empty final state: B, M and the start states stay in its workspace.
+    summary_in, summary_out = summary.split("->")
+    assert "tensor<2x3x128x128xf32>" in summary_in and "tensor<7xi32>" in summary_in  # 2 x 3 segments + 1
+    assert "tensor<0x0x0x0xbf16>" in summary_out and "tensor<0xf32>" in summary_out
+    assert "output_operand_aliases" not in summary
+    # The apply call has no initial state operand, reuses the summary's workspace in place and
+    # returns the 6 segments' final states.
+    apply_in, apply_out = apply.split("->")
+    assert "tensor<0xf32>" in apply_in and "tensor<6x3x128x128xf32>" in apply_out
+    assert "operand_index = 8" not in apply and "operand_index = 9" in apply
+    assert "tensor<1x200x3x128xbf16>" in apply_out
+    cfg = validate(x, x, x, x, beta, initial_state=state, output_final_state=True, state_v_first=True)
+    workspace = planner.plan_prefill(cfg, num_segments=3).workspace_bytes
+    assert workspace == contract.workspace_bytes(200, 2, 3, 3) and f"tensor<{workspace}xui8>" in apply_out

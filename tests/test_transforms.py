@@ -96,12 +96,12 @@ def test_grad_matches_a_token_scan(fresh_seed):
 def test_chunk_size_does_not_change_the_answer(fresh_seed):
     """The chunked form is exact for any power-of-two chunk, here 1 (a pure recurrence) to 128."""
     from jax_kda import xla_backend
-    from jax_kda.config import validate
+    from jax_kda.config import Operands, validate
 
     w = Workload("chunks", seqlen=150, gate="preactivated", decay_floor=-60.0, dtype="float32")
     args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
     cfg = validate(*args, backend="xla", **kwargs)
-    run = functools.partial(xla_backend.prefill, cfg, *args, initial_state=kwargs["initial_state"])
+    run = functools.partial(xla_backend.prefill, cfg, Operands(*args, initial_state=kwargs["initial_state"]))
     o_ref, f_ref = run(chunk_size=1)
     for c in (2, 16, 128):
         o, f = run(chunk_size=c)

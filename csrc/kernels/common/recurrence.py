@@ -1,33 +1,27 @@
-"""KDA prefill, SM90, kernel 2 of 2: `chunk_recurrence`, the serial half.
+"""KDA prefill, kernel 2 of 2: `ChunkRecurrence`, the serial half, minus its MMAs.
 
-One CTA per (64-wide slice of V, value head, sequence); it walks the sequence's chunks in order.
-The state slice lives in registers as the fp32 accumulator of a warpgroup MMA, transposed:
-S^T [64 v, 128 k]. Per chunk, with the operands written by `prepare_chunks` and the chunk's v
-slice straight from the input (all TMA-loaded):
+One CTA per (64-wide slice of V, value head, sequence) walks the sequence's chunks in order,
+carrying its slice of the fp32 state S^T [64 v, 128 k] in the MMA warps' accumulator registers.
+This file is what every architecture shares: the grid, the warp roles, the TMA pipeline and its
+shared-memory tiles, the state load and store, the zeroing of a partial last chunk's values and the
+output path. The per-chunk products live in a subclass per architecture (`make_mmas`, `consume`):
+`sm90/wgmma_recurrence.py` (warpgroup MMAs) and `sm100/mma_sync_recurrence.py` (warp-level MMAs).
+Per chunk, with the operands `prepare_chunks` wrote and the chunk's v slice straight from the input:
 
-    S_bf   = bf16(S^T)                       A operand, straight from the accumulator registers
-    S^T   *= decay (per column k)
-    U^T    = v^T W_hi^T + v^T W_lo^T         wgmma m64n16, K = 16, twice (A = v from shared memory)
-    U^T   += S_bf neg_kw^T                   wgmma m64n16, K = 128, same batch
-    O^T    = S_bf qd^T                       wgmma m64n16, K = 128, same batch
-    U_hi   = bf16(U^T),  U_lo = bf16(U^T - U_hi)     (U to ~16 bits as two bf16 operands)
-    O^T   += U_hi mqk^T + U_lo mqk^T         wgmma m64n16,  K = 16, twice
-    S^T   += U_hi kr + U_lo kr               wgmma m64n128, K = 16, twice (fp32 accumulate onto the state)
+    U^T  = v^T (W_hi + W_lo)^T + bf16(S^T) neg_kw^T
+    O^T  = bf16(S^T) qd^T + (U_hi + U_lo) mqk^T          U_hi = bf16(U^T), U_lo = bf16(U^T - U_hi)
+    S^T  = decay * S^T + (U_hi + U_lo) kr
 
-Critical path per chunk: one 64-register conversion, two dependent wgmma batches. U's bf16
-rounding was the largest error term (tests/kda_chunk_model.py): carrying it as hi + lo halves
-takes the final-state error from ~2.4e-3 to ~1.7e-3 and o from ~2.9e-3 to ~2.5e-3 (measured).
+Segmented prefill (intracard context parallelism, Phase.SUMMARY): the summary variant
+(`summary=True`, a separate compiled kernel) has twice the V slices; slices 0-1 run each segment
+from a zero state and slices 2-3 the identity's 128 columns with no values, and both store their
+final state ([2 N S, HV, K, V]: B and M per segment) instead of o. The apply call
+(Phase.APPLY) is the ordinary kernel over the segments, from their start states.
 
-Segmented prefill (intracard context parallelism, jax_kda/context_parallel.py): the summary variant
-of this kernel (ChunkRecurrence(summary=True), launched for FLAG_SUMMARY) has twice the V slices; slices 0-1 run each segment from a zero state and slices 2-3 run
-the identity's 128 columns with no values, and both store their final state ([2 N, HV, K, V]:
-B and M per segment) instead of o. The apply call is this kernel unchanged, over the segments.
-
-Warp roles (160 threads): warps 0-3 are the MMA warpgroup; warp 4 is the TMA producer.
-Shared memory per pipeline stage (bytes):
-    neg_kw 16 x 128 x 2 = 4096, qd 4096, kr 4096, v 16 x 64 x 2 = 2048,
-    mqk, w_hi, w_lo 16 x 16 x 2 = 512 each, decay 128 x 4 = 512      -> 16384 per stage
-plus the output staging tile 2 x 16 x 72 x 2 = 4608 (rows padded) and the mbarriers.
+Warp roles (160 threads): warps 0-3 run the MMAs; warp 4 is the TMA producer.
+Shared memory per pipeline stage: the `STAGE_TILES` below, 16384 bytes (4 stages), plus the output
+staging tile 2 x 16 x 72 x 2 = 4608 bytes (rows padded) and the mbarriers, each buffer
+1024-byte aligned (the swizzled layouts need it): 71 680 bytes a CTA, so two fit on an SM.
 """
 
 from __future__ import annotations
@@ -35,25 +29,20 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+# The swizzled shared-memory layouts of the MMA operands; both architectures' MMAs read them.
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils.layout import LayoutEnum
+from kda_contract import CHUNK, HEAD_DIM, RECURRENCE_THREADS, V_PER_CTA, Flag
 
-from sm90.prepare_chunks import (
-    FLAG_HAS_INITIAL_STATE,
-    FLAG_OUTPUT_FINAL_STATE,
-    FLAG_STATE_V_FIRST,
-    FLAG_VARLEN,
-    sequence_bounds,
-)
+from common.sequences import sequence_bounds
 
-CHUNK = 16
-HEAD_DIM = 128
-V_SLICE = 64
+V_SLICE = V_PER_CTA  # state columns (v) per CTA
 STAGES = 4
 MMA_THREADS = 128
 THREADS = MMA_THREADS + 32
+assert THREADS == RECURRENCE_THREADS
 PRODUCER_WARP = MMA_THREADS // 32
 SLICES = HEAD_DIM // V_SLICE  # CTAs per (value head, sequence); twice as many in the summary kernel
 OUTPUT_BARRIER = 1
@@ -62,43 +51,26 @@ VALUES_BARRIER = 2
 # by 2 tokens and 1 v) spread over all banks, and every row starts 16-byte aligned for the
 # 8-element vector reads.
 OUT_PITCH = V_SLICE + 8
-
-
-def shared_memory_bytes() -> int:
-    """Shared memory of one CTA, as laid out by SharedStorage (1024-byte aligned swizzled tiles)."""
-    barriers = 1024  # 2 * STAGES mbarriers, padded up to the first 1024-aligned tile
-    mma_tiles = STAGES * (3 * CHUNK * HEAD_DIM * 2 + CHUNK * V_SLICE * 2)  # neg_kw, qd, kr, v
-    small_tiles = 3 * STAGES * CHUNK * CHUNK * 2  # mqk, w_hi, w_lo: 512 B per stage each
-    return barriers + mma_tiles + small_tiles + STAGES * HEAD_DIM * 4 + 2 * CHUNK * OUT_PITCH * 2  # + decay, output staging
-    # (each buffer starts 1024-aligned; all but the last end on a multiple of 1024 B)
-
-
-def _acc_as_operand_layout(acc_layout, operand_value_shape):
-    """Register layout of a bf16 A operand that reuses an fp32 accumulator's element order.
-
-    For 16-bit inputs the wgmma accumulator fragment of an m64nN tile holds, per thread, the
-    same (row, column) pairs in the same order as the A fragment of an m64kN operand, so the
-    conversion is an element-wise cast into this re-grouped layout: value modes (2, 2, 2) per
-    k-block of 16 and the remaining n8-blocks become the k-block mode.
-    """
-    per_block = cute.size(operand_value_shape)
-    return cute.make_layout(
-        (operand_value_shape, acc_layout.shape[1],
-         (acc_layout.shape[2], cute.size(acc_layout, mode=[0]) // per_block)),
-        stride=(acc_layout.stride[0], acc_layout.stride[1],
-                (acc_layout.stride[2], cute.size(operand_value_shape, mode=[2]) * acc_layout.stride[0][2])),
-    )
+# What the producer loads per chunk into one pipeline stage, as (rows, columns, bytes per element):
+# neg_kw, qd [16, 128], kr [128, 16], mqk, w_hi, w_lo [16, 16] (bf16), v [64, 16] (bf16) and the
+# decay [1, 128] (fp32). The stage's transaction byte count is their sum.
+STAGE_TILES = {
+    "neg_kw": (CHUNK, HEAD_DIM, 2), "qd": (CHUNK, HEAD_DIM, 2), "kr": (HEAD_DIM, CHUNK, 2),
+    "mqk": (CHUNK, CHUNK, 2), "w_hi": (CHUNK, CHUNK, 2), "w_lo": (CHUNK, CHUNK, 2),
+    "v": (V_SLICE, CHUNK, 2), "decay": (1, HEAD_DIM, 4),
+}
+STAGE_BYTES = sum(rows * cols * size for rows, cols, size in STAGE_TILES.values())  # 16 384
 
 
 @cute.jit
-def _to_operand(acc: cute.Tensor, dst: cute.Tensor):
+def to_operand(acc: cute.Tensor, dst: cute.Tensor):
     """dst (bf16 A operand) <- acc (fp32 accumulator), element-wise."""
     dst_as_acc = cute.make_tensor(dst.iterator, acc.layout)
     dst_as_acc.store(acc.load().to(cutlass.BFloat16))
 
 
 @cute.jit
-def _to_operand_split(acc: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
+def to_operand_split(acc: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
     """hi <- bf16(acc), lo <- bf16(acc - hi): two bf16 A operands whose sum carries ~16 bits."""
     hi_as_acc = cute.make_tensor(hi.iterator, acc.layout)
     lo_as_acc = cute.make_tensor(lo.iterator, acc.layout)
@@ -113,7 +85,7 @@ def load_state(acc_s: cute.Tensor, crd_s: cute.Tensor, initial_state: cute.Tenso
                seq: Int32, hv: Int32, v_slice: Int32, summary: cutlass.Constexpr = False):
     """acc_s <- this thread's elements of the initial state slice (zeros without one). In the
     summary kernel, slices SLICES.. are the transition columns: they start as the identity."""
-    state_v_first = (flags & FLAG_STATE_V_FIRST) != 0
+    state_v_first = (flags & Flag.STATE_V_FIRST) != 0
     v0 = v_slice * V_SLICE
     acc_s.fill(0.0)
     if cutlass.const_expr(summary):
@@ -122,7 +94,7 @@ def load_state(acc_s: cute.Tensor, crd_s: cute.Tensor, initial_state: cute.Tenso
                 vv, kk = crd_s[e]
                 if v0 - HEAD_DIM + vv == kk:
                     acc_s[e] = Float32(1.0)
-    elif (flags & FLAG_HAS_INITIAL_STATE) != 0:
+    elif (flags & Flag.HAS_INITIAL_STATE) != 0:
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             vv, kk = crd_s[e]
             if state_v_first:
@@ -137,7 +109,7 @@ def store_state(acc_s: cute.Tensor, crd_s: cute.Tensor, final_state: cute.Tensor
     """This thread's elements of the final state slice (the same ones load_state read). In the
     summary kernel, final_state is [2 N, HV, K, V]: entry 2 n holds segment n's zero-start state B,
     entry 2 n + 1 its transition M (M[k, j] = column j of the identity columns)."""
-    state_v_first = (flags & FLAG_STATE_V_FIRST) != 0
+    state_v_first = (flags & Flag.STATE_V_FIRST) != 0
     v0 = v_slice * V_SLICE
     if cutlass.const_expr(summary):
         part = v_slice // SLICES
@@ -145,7 +117,7 @@ def store_state(acc_s: cute.Tensor, crd_s: cute.Tensor, final_state: cute.Tensor
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             vv, kk = crd_s[e]
             final_state[2 * seq + part, hv, kk, v0 + vv] = acc_s[e]
-    elif (flags & FLAG_OUTPUT_FINAL_STATE) != 0:
+    elif (flags & Flag.OUTPUT_FINAL_STATE) != 0:
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             vv, kk = crd_s[e]
             if state_v_first:
@@ -219,19 +191,9 @@ class ChunkRecurrence:
         self.mma_vw = None
 
     def make_mmas(self):
-        # m64n16: U^T and O^T. A = registers (K-major by construction), B = [tokens, k] K-major.
-        self.mma_tok = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.K,
-            Float32, (1, 1, 1), (V_SLICE, CHUNK), warpgroup.OperandSource.RMEM)
-        # m64n128: the state update. B = kr viewed as [k (N), tokens (K)], k contiguous: MN-major.
-        self.mma_state = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.MN,
-            Float32, (1, 1, 1), (V_SLICE, HEAD_DIM), warpgroup.OperandSource.RMEM)
-        # m64n16: U^T = v^T W^T. A = the chunk's v slice from shared memory, [v (M), tokens (K)]
-        # with v contiguous (MN-major); B = W (hi or lo) as [i (N), j (K)], K-major like mqk.
-        self.mma_vw = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.MN, OperandMajorMode.K,
-            Float32, (1, 1, 1), (V_SLICE, CHUNK), warpgroup.OperandSource.SMEM)
+        """Sets self.mma_tok (U^T, O^T), self.mma_state (the state update), self.mma_vw (U^T = v^T W^T):
+        the tiled MMAs `consume` runs; called on the host before the launch."""
+        raise NotImplementedError
 
     @cute.jit
     def launch(self, neg_kw: cute.Tensor, qd: cute.Tensor, kr: cute.Tensor, mqk: cute.Tensor,
@@ -266,7 +228,7 @@ class ChunkRecurrence:
         tma_whi, g_whi = cpasync.make_tiled_tma_atom(g2s, w_hi, cute.slice_(mqk_layout, (None, None, 0)), (CHUNK, CHUNK))
         tma_wlo, g_wlo = cpasync.make_tiled_tma_atom(g2s, w_lo, cute.slice_(mqk_layout, (None, None, 0)), (CHUNK, CHUNK))
         tma_dec, g_dec = cpasync.make_tiled_tma_atom(g2s, decay, cute.slice_(decay_layout, (None, None, 0)), (1, HEAD_DIM))
-        stage_bytes = (3 * CHUNK * HEAD_DIM * 2 + 3 * CHUNK * CHUNK * 2 + CHUNK * V_SLICE * 2 + HEAD_DIM * 4)
+        stage_bytes = STAGE_BYTES
 
         @cute.struct
         class SharedStorage:
@@ -334,7 +296,7 @@ class ChunkRecurrence:
         s_dec = storage.s_dec.get_tensor(decay_layout)
         s_out = storage.s_out.get_tensor(out_layout)
 
-        varlen = (flags & FLAG_VARLEN) != 0
+        varlen = (flags & Flag.VARLEN) != 0
         bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, varlen)
         num_chunks = (eos - bos + CHUNK - 1) // CHUNK
         slot0 = bos // CHUNK + seq
@@ -392,85 +354,6 @@ class ChunkRecurrence:
                 s_v: cute.Tensor, s_whi: cute.Tensor, s_wlo: cute.Tensor, s_dec: cute.Tensor, s_out: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
                 final_state: cute.Tensor, flags: Int32, tidx: Int32, seq: Int32, hv: Int32,
                 v_slice: Int32, bos: Int32, eos: Int32, num_chunks: Int32):
-        """The MMA warpgroup: the serial walk over the chunks (warpgroup MMAs)."""
-        thr_tok = mma_tok.get_slice(tidx)
-        thr_state = mma_state.get_slice(tidx)
-        # B operand views of every stage.
-        b_kw = thr_tok.make_fragment_B(thr_tok.partition_B(s_kw))
-        b_qd = thr_tok.make_fragment_B(thr_tok.partition_B(s_qd))
-        b_mqk = thr_tok.make_fragment_B(thr_tok.partition_B(s_mqk))
-        b_kr = thr_state.make_fragment_B(thr_state.partition_B(s_kr))
-        thr_vw = mma_vw.get_slice(tidx)
-        a_v = thr_vw.make_fragment_A(thr_vw.partition_A(s_v))
-        b_whi = thr_vw.make_fragment_B(thr_vw.partition_B(s_whi))
-        b_wlo = thr_vw.make_fragment_B(thr_vw.partition_B(s_wlo))
-        # The summary kernel's transition slices (SLICES..) run with zero values: U = -W k S only.
-        with_values = True
-        if cutlass.const_expr(self.summary):
-            with_values = v_slice < SLICES
-        # Accumulators and their (row, column) coordinates: rows are v, columns tokens or k.
-        acc_s = thr_state.make_fragment_C(thr_state.partition_shape_C((V_SLICE, HEAD_DIM)))
-        acc_u = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
-        acc_o = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
-        crd_s = thr_state.partition_C(cute.make_identity_tensor((V_SLICE, HEAD_DIM)))
-        crd_t = thr_tok.partition_C(cute.make_identity_tensor((V_SLICE, CHUNK)))
-        # bf16 A operands built from the accumulators.
-        a_value_shape = mma_tok.tv_layout_A.shape[1]
-        a_s = cute.make_rmem_tensor(_acc_as_operand_layout(acc_s.layout, a_value_shape), cutlass.BFloat16)
-        a_u = cute.make_rmem_tensor(_acc_as_operand_layout(acc_u.layout, a_value_shape), cutlass.BFloat16)
-        a_u_lo = cute.make_rmem_tensor(_acc_as_operand_layout(acc_u.layout, a_value_shape), cutlass.BFloat16)
-
-        load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice, self.summary)
-        last_valid = eos - bos - (num_chunks - 1) * CHUNK  # tokens in the last chunk
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        for c in cutlass.range(num_chunks, unroll=1):
-            loads.consumer_wait(state)
-            stage = state.index
-            if c == num_chunks - 1:
-                if last_valid < CHUNK:
-                    zero_values_past_end(s_v, stage, last_valid, tidx)
-            _to_operand(acc_s, a_s)
-            # Decay the fp32 state now: ptxas would otherwise serialize this against the
-            # batch below anyway (it treats acc_s as live wgmma output across the loop).
-            decay_state(acc_s, crd_s, s_dec, stage)
-
-            warpgroup.fence()
-            # U^T = v^T (W_hi + W_lo)^T: W as two bf16 halves, v exact in bf16. The transition
-            # slices discard it: their first neg_kw product overwrites instead of accumulating
-            # (a runtime scale-d, not a branch around the MMAs, which would make ptxas wait).
-            mma_vw.set(warpgroup.Field.ACCUMULATE, False)
-            cute.gemm(mma_vw, acc_u, a_v[None, None, 0, stage], b_whi[None, None, 0, stage], acc_u)
-            mma_vw.set(warpgroup.Field.ACCUMULATE, True)
-            cute.gemm(mma_vw, acc_u, a_v[None, None, 0, stage], b_wlo[None, None, 0, stage], acc_u)
-            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                mma_tok.set(warpgroup.Field.ACCUMULATE, with_values if kb == 0 else True)
-                cute.gemm(mma_tok, acc_u, a_s[None, None, kb], b_kw[None, None, kb, stage], acc_u)
-            warpgroup.commit_group()
-            # O^T = S_bf qd^T in a group of its own: the tensor cores run it while U is split.
-            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                mma_tok.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(mma_tok, acc_o, a_s[None, None, kb], b_qd[None, None, kb, stage], acc_o)
-            warpgroup.commit_group()
-
-            warpgroup.wait_group(1)  # U's group (O's may still run)
-
-            _to_operand_split(acc_u, a_u, a_u_lo)
-            warpgroup.fence()
-            # The state first (the next chunk waits for it), then O, which accumulates after the
-            # in-flight O group (same MMA shape and accumulator: ordered by the hardware).
-            mma_state.set(warpgroup.Field.ACCUMULATE, True)
-            cute.gemm(mma_state, acc_s, a_u[None, None, 0], b_kr[None, None, 0, stage], acc_s)
-            cute.gemm(mma_state, acc_s, a_u_lo[None, None, 0], b_kr[None, None, 0, stage], acc_s)
-            mma_tok.set(warpgroup.Field.ACCUMULATE, True)
-            cute.gemm(mma_tok, acc_o, a_u[None, None, 0], b_mqk[None, None, 0, stage], acc_o)
-            cute.gemm(mma_tok, acc_o, a_u_lo[None, None, 0], b_mqk[None, None, 0, stage], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            loads.consumer_release(state)
-            state.advance()
-
-            if cutlass.const_expr(not self.summary):
-                store_output(acc_o, crd_t, s_out, o, c, tidx, hv, v_slice, bos, eos)
-
-        store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice, self.summary)
+        """The MMA warps (threads 0..127): the serial walk over the chunks, from load_state to
+        store_state. Each architecture's subclass implements it with its MMAs."""
+        raise NotImplementedError

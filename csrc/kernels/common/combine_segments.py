@@ -1,11 +1,11 @@
 """KDA prefill, segmented calls: `combine_segments`, every segment's start state.
 
-Intracard context parallelism (jax_kda/context_parallel.py) cuts each of N sequences into S
+Intracard context parallelism (Phase.SUMMARY, jax_kda/kernel.py) cuts each of N sequences into S
 segments. The summary pass of the recurrence writes, per packed segment i = n S + j and value head,
 the segment's zero-start state B_i and its transition M_i (K-first fp32, into the workspace). This
 kernel, launched right after it in the same call, walks each sequence's segments in order:
 
-    start_0     = initial_state[n]           (zeros without FLAG_HAS_INITIAL_STATE)
+    start_0     = initial_state[n]           (zeros without Flag.HAS_INITIAL_STATE)
     start_{j+1} = M_{nS+j} start_j + B_{nS+j}     j = 0 .. S - 2
 
 in fp32 on CUDA cores, and writes start_0 .. start_{S-1} for the apply pass to start from.
@@ -25,7 +25,7 @@ M depends on the states, so M is streamed through shared memory ahead of the ari
 - start_j's block sits in shared memory [128 k][block columns], double-buffered by step parity: step j reads one
   buffer while its result start_{j+1} is written into the other.
 
-Measured on the H200 (sweep_segments.py, combine kernel time per call):
+Measured on the H200 (benchmarks/sweep_segments.py, combine kernel time per call):
 
 | variant | HV 8, 16 segments (64 / 128 CTAs) | HV 12, 8 segments (96 / 192) | HV 32, 4 segments (256 / 512) |
 |---|---|---|---|
@@ -41,7 +41,7 @@ share SMs.
 
 Layouts (fp32, [.., K, V] with V contiguous):
     bm             [2 N S, HV, 128, 128]   entry 2 i: B_i; entry 2 i + 1: M_i (M[k, k'] at [.., k, k'])
-    initial_state  [N, HV, 128, 128]       read with FLAG_HAS_INITIAL_STATE
+    initial_state  [N, HV, 128, 128]       read with Flag.HAS_INITIAL_STATE
     starts         [N S, HV, 128, 128]
 """
 
@@ -52,9 +52,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import LoadCacheMode, cpasync
 
-from sm90.prepare_chunks import FLAG_HAS_INITIAL_STATE
+from kda_contract import HEAD_DIM, Flag
 
-HEAD_DIM = 128
 THREADS = 256
 V_BLOCKS = (8, 16)            # the two compiled variants' columns per CTA
 HALF = HEAD_DIM // 2          # a thread's second row is its first + HALF
@@ -118,7 +117,7 @@ def combine_segments_kernel(bm: cute.Tensor, initial_state: cute.Tensor, starts:
     b_next = [cute.make_rmem_tensor(cute.make_layout(cols), Float32) for _ in range(2)]
     for r in cutlass.range_constexpr(2):
         acc[r].fill(0.0)
-        if (flags & FLAG_HAS_INITIAL_STATE) != 0:
+        if (flags & Flag.HAS_INITIAL_STATE) != 0:
             cute.autovec_copy(cute.local_tile(initial_state[n, hv, row + r * HALF, None], (cols,), (vec,)), acc[r])
         # start_0: to global for the apply pass, to shared memory for step 0.
         cute.autovec_copy(acc[r], cute.local_tile(starts[seg0, hv, row + r * HALF, None], (cols,), (vec,)))

@@ -1,9 +1,9 @@
-"""KDA prefill, kernel 2 of 2 for Blackwell (sm_100a): `chunk_recurrence` on warp-level MMAs.
+"""KDA prefill, kernel 2 of 2 for Blackwell (sm_100a): the recurrence on warp-level MMAs (mma.sync).
 
 Warpgroup MMA (wgmma) exists only on sm_90a, so this variant computes the same per-chunk
-recurrence as `sm90/chunk_recurrence.py` with `mma.sync.m16n8k16` (bf16 operands, fp32
-accumulate), which every architecture from sm_80 on runs. Everything else is shared with the
-sm90 kernel: the grid (V slice, value head, sequence), the warp roles (warps 0-3 MMA, warp 4 the
+recurrence as `sm90/wgmma_recurrence.py` with `mma.sync.m16n8k16` (bf16 operands, fp32
+accumulate), which every architecture from sm_80 on runs. Everything else is
+`common/recurrence.py`: the grid (V slice, value head, sequence), the warp roles (warps 0-3 MMA, warp 4 the
 TMA producer), the 4-stage TMA pipeline and its shared-memory tiles, the state load and store and
 the output path. The recurrence is latency-bound (a handful of small MMAs per 16-token step), so
 warp-level MMAs lose little against the architecture's native ones.
@@ -31,27 +31,27 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 
-from sm90.chunk_recurrence import (
+from common.recurrence import (
     CHUNK,
     HEAD_DIM,
+    SLICES,
     STAGES,
     V_SLICE,
     ChunkRecurrence,
-    _to_operand,
-    _to_operand_split,
-    SLICES,
     decay_state,
     load_state,
     store_output,
     store_state,
+    to_operand,
+    to_operand_split,
     zero_values_past_end,
 )
 
 MMA_WARPS = 4
 
 
-class ChunkRecurrenceMma(ChunkRecurrence):
-    """The sm90 kernel with its MMA warpgroup replaced by four warps of mma.sync."""
+class MmaSyncRecurrence(ChunkRecurrence):
+    """The recurrence's MMA warps on four warps of mma.sync."""
 
     # Two CTAs per SM: unbounded, ptxas for sm_100a gave this kernel 255 registers (one CTA per SM;
     # 142 for sm_90a from the same PTX). The bound holds it to the 168 that two 160-thread CTAs allow.
@@ -143,7 +143,7 @@ class ChunkRecurrenceMma(ChunkRecurrence):
                 cute.copy(load_k_major, src_wlo[None, None, 0, stage], dst_wlo[None, None, 0])
                 cute.gemm(mma, acc_u, a_v[None, None, 0], b_whi[None, None, 0], acc_u)
                 cute.gemm(mma, acc_u, a_v[None, None, 0], b_wlo[None, None, 0], acc_u)
-            _to_operand(acc_s, a_s)
+            to_operand(acc_s, a_s)
             decay_state(acc_s, crd_s, s_dec, stage)
             acc_o.fill(0.0)
             # B fragments are loaded one k-block ahead of their use (ldmatrix latency overlaps the
@@ -159,7 +159,7 @@ class ChunkRecurrenceMma(ChunkRecurrence):
                     cute.copy(load_mn_major, src_kr[None, None, 0, stage], dst_kr[None, None, 0])
                 cute.gemm(mma, acc_u, a_s[None, None, kb], b_kw[None, None, kb], acc_u)
                 cute.gemm(mma, acc_o, a_s[None, None, kb], b_qd[None, None, kb], acc_o)
-            _to_operand_split(acc_u, a_u, a_u_lo)
+            to_operand_split(acc_u, a_u, a_u_lo)
             cute.gemm(mma, acc_o, a_u[None, None, 0], b_mqk[None, None, 0], acc_o)
             cute.gemm(mma, acc_o, a_u_lo[None, None, 0], b_mqk[None, None, 0], acc_o)
             cute.gemm(mma, acc_s, a_u[None, None, 0], b_kr[None, None, 0], acc_s)

@@ -1,11 +1,11 @@
-"""KDA prefill, SM90, kernel 1 of 2: `prepare_chunks`, the token-parallel half.
+"""KDA prefill, kernel 1 of 2 (every architecture): `prepare_chunks`, the token-parallel half.
 
 Work items are (chunk slot, value head) pairs; persistent CTAs of 128 threads stride over them
 (grid: up to CTAS_PER_SM per SM), prefetching the next item's raw q, k, g tiles with cp.async
 into a second shared-memory stage while they process the current one. In the element-wise phases
 thread d owns key/value channel d; the 16 x 16 and 16 x 128 products run on tensor cores (warp-level
 `mma.sync m16n8k8` TF32, fp32 accumulate). It turns the raw inputs of one 16-token chunk into the
-operands of the serial recurrence (`chunk_recurrence.py`), all independent of the state:
+operands of the serial recurrence (`recurrence.py`), all independent of the state:
 
     G        inclusive cumsum of the log2 decay over the chunk           (registers, fp32)
     L        strictly lower beta_i * sum_d k_i k_j 2^(G_i - G_j)          (smem, fp32)
@@ -39,7 +39,7 @@ Phases per item (four CTA barriers, after the one that publishes the item's stag
 
 Chunk slots: sequence n (tokens [bos_n, eos_n)) owns slots base(n) + c for its chunks c, with
 base(n) = bos_n // 16 + n. Slots never overlap and all lie below total_tokens // 16 + N, which
-is the workspace row count (see README.md). Slots that belong to no chunk are skipped.
+is the workspace row count (common/sequences.py). Slots that belong to no chunk are skipped.
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ from cutlass.cute.nvgpu import LoadCacheMode, cpasync
 # version pyproject.toml pins (an experimental API may move in later releases).
 from cutlass.experimental.primitives.nvvm_wrapper import MMALayout, ldmatrix
 from cutlass.cutlass_dsl import T, dsl_user_op
+from kda_contract import CHUNK, GATE_MODE_MASK, GATE_MODE_SHIFT, HEAD_DIM, PREPARE_CTAS_PER_SM, PREPARE_THREADS, Flag, GateMode
 
-CHUNK = 16
-HEAD_DIM = 128
-THREADS = 128
+from common.sequences import sequence_base, sequence_bounds
+
+THREADS = PREPARE_THREADS
 WARPS = THREADS // 32
 LOG2E = 1.4426950408889634
 FAST_PATH_RANGE = 200.0
@@ -68,31 +69,12 @@ FACTOR_PITCH = HEAD_DIM + 4
 OPERAND_PITCH = CHUNK + 4
 MMA_K = 8  # m16n8k8 TF32
 
-# Bits of the runtime `flags` argument shared by both kernels.
-FLAG_QK_L2NORM = 1 << 0
-FLAG_BETA_SIGMOID = 1 << 1
-FLAG_VARLEN = 1 << 2
-FLAG_HAS_INITIAL_STATE = 1 << 3
-FLAG_OUTPUT_FINAL_STATE = 1 << 4
-FLAG_STATE_V_FIRST = 1 << 5
-# Intracard context parallelism (jax_kda/context_parallel.py): the two kernel calls of a segmented
-# prefill, whose num_seqs counts segments (N sequences x S segments). SUMMARY: the recurrence writes,
-# per segment, its zero-start state B and its transition M (state of identity columns with no
-# values) into the workspace instead of o, then combine_segments turns them into every segment's
-# start state (in the workspace); initial_state then holds the N sequences' start states. SKIP_PREPARE:
-# the workspace already holds prepare's operands and the start states (from the SUMMARY call); run
-# only the recurrence, from those starts.
-FLAG_SUMMARY = 1 << 6
-FLAG_SKIP_PREPARE = 1 << 7
-GATE_MODE_SHIFT = 8  # bits 8..9: 0 pre-activated, 1 softplus, 2 lower-bound*sigmoid(exp(A)x), 3 lower-bound*sigmoid(x)
-SEGMENTS_SHIFT = 16  # bits 16..23: S, segments per sequence, in SUMMARY and SKIP_PREPARE calls
-
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
 # one. Measured on the H200 (96 heads x 8K, prepare alone, version 8): 3 CTAs per SM 673 us; 4 CTAs
 # per SM 639 us. Since v left the stages a CTA needs 44 944 B of shared memory, so registers (128
 # a thread for 4 CTAs of 128 threads) are the limit; 5 CTAs held to 96 registers measured no faster.
-CTAS_PER_SM = 4
+CTAS_PER_SM = PREPARE_CTAS_PER_SM
 INPUT_TILES = 3       # q, k, g (v goes from the input straight to the recurrence)
 INPUT_STAGES = 2
 INPUT_STAGES_BYTES = INPUT_STAGES * INPUT_TILES * CHUNK * HEAD_DIM * 2   # 24 576
@@ -115,21 +97,6 @@ def shared_memory_bytes() -> int:
     tile), L [16, 17], W [16, 20], beta, the l2-norm partial sums and norms, the fast-path vote."""
     return (INPUT_STAGES_BYTES + FACTOR_TILES_BYTES + CHUNK * (CHUNK + 1) * 4 + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4
             + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4)
-
-
-@cute.jit
-def sequence_bounds(cu_seqlens: cute.Tensor, n: Int32, dense_len: Int32, total_tokens: Int32,
-                    varlen: cutlass.Boolean):
-    """[bos, eos) of sequence n, clamped into [0, total_tokens] with eos >= bos, so that a
-    malformed cu_seqlens can give wrong results but never an out-of-bounds access."""
-    bos = n * dense_len
-    eos = bos + dense_len
-    if varlen:
-        bos = cu_seqlens[n]
-        eos = cu_seqlens[n + 1]
-    bos = cutlass.min(cutlass.max(bos, 0), total_tokens)
-    eos = cutlass.min(cutlass.max(eos, bos), total_tokens)
-    return bos, eos
 
 
 @cute.jit
@@ -169,18 +136,6 @@ def warp_sums_of_squares(q_r: cute.Tensor, k_r: cute.Tensor, lane: Int32) -> Flo
                 send = vals[m]
             vals[m] = keep + cute.arch.shuffle_sync_bfly(send, offset=half)
     return vals[0]
-
-
-@cute.jit
-def sequence_base(cu_seqlens: cute.Tensor, n: Int32, num_seqs: Int32, dense_len: Int32,
-                  total_tokens: Int32, varlen: cutlass.Boolean) -> Int32:
-    """base(n) = bos_n // 16 + n, the first chunk slot of sequence n; past the last sequence, a
-    value above every slot."""
-    base = Int32(2147483647)
-    if n < num_seqs:
-        bos, _ = sequence_bounds(cu_seqlens, n, dense_len, total_tokens, varlen)
-        base = bos // CHUNK + n
-    return base
 
 
 @cute.jit
@@ -295,9 +250,9 @@ def load_head_scalars(beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tenso
     if valid > 0:
         if d < valid:
             b = beta[tok0 + d, hv]
-        if gate_mode == 1 or gate_mode == 2:
+        if gate_mode == GateMode.SOFTPLUS or gate_mode == GateMode.LOWER_BOUND_A_LOG:
             a_log_hv = a_log[hv]
-        if gate_mode != 0:
+        if gate_mode != GateMode.PREACTIVATED:
             bias = dt_bias[hv, d]
     return b, a_log_hv, bias
 
@@ -310,7 +265,7 @@ def prepare_chunks_kernel(
     beta: cute.Tensor,       # [T, HV] bf16
     a_log: cute.Tensor,      # [HV] fp32
     dt_bias: cute.Tensor,    # [HV, 128] fp32
-    cu_seqlens: cute.Tensor,  # [N + 1] int32 (read only with FLAG_VARLEN)
+    cu_seqlens: cute.Tensor,  # [N + 1] int32 (read only with Flag.VARLEN)
     neg_kw_out: cute.Tensor,  # [R * 16, 128] bf16, R = slots * HV
     qd_out: cute.Tensor,      # [R * 16, 128] bf16
     kr_out: cute.Tensor,      # [R * 16, 128] bf16
@@ -333,8 +288,8 @@ def prepare_chunks_kernel(
     num_q_heads = q.shape[1]
     num_v_heads = g.shape[1]
     group = num_v_heads // num_q_heads
-    varlen = (flags & FLAG_VARLEN) != 0
-    gate_mode = (flags >> GATE_MODE_SHIFT) & 3
+    varlen = (flags & Flag.VARLEN) != 0
+    gate_mode = (flags >> GATE_MODE_SHIFT) & GATE_MODE_MASK
     items = (total_tokens // CHUNK + num_seqs) * num_v_heads
 
     smem = cutlass.memory.SmemAllocator()
@@ -451,7 +406,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
     kd_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
 
     a_exp = Float32(1.0)
-    if gate_mode == 1 or gate_mode == 2:
+    if gate_mode == GateMode.SOFTPLUS or gate_mode == GateMode.LOWER_BOUND_A_LOG:
         a_exp = cute.math.exp(opaque(a_log_hv))
 
     # ---- Phase 1: gate, cumsum, l2-norm partial sums, fast-path vote; inputs from the stage
@@ -464,14 +419,14 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
         cum[i] = s_stage[2, i, d].to(Float32)
     # Log2 decay from the gate (softplus and pre-activated gates give the natural log first);
     # one loop per mode so that each computes only its own.
-    if gate_mode == 1:
+    if gate_mode == GateMode.SOFTPLUS:
         for i in cutlass.range_constexpr(CHUNK):
             z = cum[i] + bias
             softplus = z
             if z <= Float32(20.0):
                 softplus = cute.math.log1p(cute.math.exp(z))
             cum[i] = -a_exp * softplus
-    if gate_mode >= 2:
+    if gate_mode >= GateMode.LOWER_BOUND_A_LOG:  # both lower-bound gates
         # log2 decay = lower_bound log2(e) sigmoid(z), z = (g + bias) a, with the hardware exp2
         # and reciprocal (relative error ~1e-7, far below the bf16 inputs' resolution). The
         # constants are folded per item: one FFMA, one EX2, one FADD, one RCP, one FMUL a token.
@@ -492,7 +447,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
                 cum[i] = Float32(0.0)
     if d < CHUNK:
         b = opaque(beta_raw).to(Float32)
-        if d < valid and (flags & FLAG_BETA_SIGMOID) != 0:
+        if d < valid and (flags & Flag.BETA_SIGMOID) != 0:
             b = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
         s_beta[d] = b
 
@@ -501,7 +456,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
         cum[i] = cum[i] + cum[i - 1]
     g_last = cum[CHUNK - 1]
 
-    l2norm = (flags & FLAG_QK_L2NORM) != 0
+    l2norm = (flags & Flag.QK_L2NORM) != 0
     if l2norm:
         s_norm[warp, lane] = warp_sums_of_squares(q_r, k_r, lane)
 

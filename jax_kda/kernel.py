@@ -1,0 +1,244 @@
+"""The kernel backend in one place: the prefill primitive, its lowering per platform, the segmented
+pair of calls, batching and differentiation.
+
+`prefill_p` is bound with the call's `Operands` (flattened; absent optional arrays are simply not
+there), the validated `PrefillConfig`, the planner's `RecurrencePlan` and the `contract.Kernels`
+request as static parameters. Its results are o and, with `output_final_state`, the final state.
+
+Lowering, decided per platform when the program is lowered, not when it is traced:
+  * CUDA: the custom call `contract.FFI_TARGET` (XLA FFI, typed attributes that carry the flags,
+    the plan and the request). Which compiled object runs (Hopper or Blackwell) is resolved by the
+    FFI handler on the device the program runs on. So a program exported for CUDA from a CPU host
+    carries the kernels.
+  * Any other platform: the XLA path (`xla_backend`), for `Kernels.FOR_DEVICE` (backend="auto");
+    an explicit kernel backend lowered for another platform is an error.
+
+A plan with `num_segments` S > 1 (intracard context parallelism) lowers to two custom calls over the
+N * S segments as one packed batch (segment j of sequence i covers tokens
+`[bos_i + min(j L, len_i), bos_i + min((j + 1) L, len_i))`, L = `plan.segment_len`, a multiple of 16
+tokens, so prepare's chunks are those of the unsegmented call; segments past a short sequence's end
+are empty):
+  1. **Summary** (`Phase.SUMMARY`): prepare over all segments; every segment's zero-start state B
+     and transition M (the recurrence is affine in the state: s_end = M s_start + B); then a small
+     fp32 kernel walks each sequence's segments, start_0 = initial_state, start_{j+1} = M_j start_j +
+     B_j. Everything stays in the call's workspace; no o.
+  2. **Apply** (`Phase.APPLY`): on that workspace (aliased), the recurrence alone from every
+     segment's start state, writing o and each segment's final state; a sequence's is its last
+     segment's.
+
+The workspace is an extra result of each custom call (XLA allocates it; the primitive drops it).
+When an initial state is given and the final state requested, an unsegmented call aliases the two
+(`operand_output_aliases`), so a donated initial state is updated in place.
+
+Differentiation: the forward is the kernel; tangents and cotangents are the XLA path's
+(`_jvp`: `jax.jvp` of `xla_backend.prefill`, which recomputes its forward). A backward kernel
+would replace `_jvp` alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_kda import contract, xla_backend
+from jax_kda.config import Operands, PrefillConfig
+from jax_kda.contract import Kernels, Phase
+from jax_kda.planner import RecurrencePlan
+
+prefill_p = Primitive("jax_kda_prefill")
+prefill_p.multiple_results = True
+
+# Operand positions of the custom call (csrc/ffi_prefill.cc binds them in this order).
+_CALL_OPERANDS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state", "workspace")
+_INITIAL_STATE, _WORKSPACE_IN = _CALL_OPERANDS.index("initial_state"), _CALL_OPERANDS.index("workspace")
+_FINAL_STATE, _WORKSPACE_OUT = 1, 2
+
+
+def prefill(ops: Operands, cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels):
+    """The kernels' prefill of `ops` (CUDA; the XLA path elsewhere for FOR_DEVICE). Returns
+    (o, final_state or None)."""
+    leaves, tree = jax.tree.flatten(ops)
+    out = prefill_p.bind(*leaves, tree=tree, cfg=cfg, plan=plan, kernels=Kernels(kernels))
+    return out[0], (out[1] if cfg.output_final_state else None)
+
+
+# --- The custom calls ---------------------------------------------------------------------------------
+
+
+def segment_offsets(cu_seqlens, num_segments: int, segment_len: int):
+    """cu_seqlens [N + 1] -> the packed offsets [N * num_segments + 1] of the segments."""
+    xp = np if isinstance(cu_seqlens, np.ndarray) else jnp
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    offsets = xp.arange(num_segments, dtype=starts.dtype) * segment_len
+    seg_starts = starts[:, None] + xp.minimum(offsets[None, :], (ends - starts)[:, None])
+    return xp.concatenate([xp.reshape(seg_starts, (-1,)), cu_seqlens[-1:]]).astype(xp.int32)
+
+
+def _dt_bias_operand(cfg: PrefillConfig, dt_bias):
+    """dt_bias as `[HV * K]` fp32; zeros when absent but the gate reads it, empty when it doesn't."""
+    if cfg.gate_mode not in contract.GATE_MODES_WITH_DT_BIAS:
+        return jnp.zeros((0,), jnp.float32)
+    if dt_bias is None:
+        return jnp.zeros((cfg.num_v_heads * cfg.head_k,), jnp.float32)
+    return jnp.reshape(jnp.asarray(dt_bias, jnp.float32), (-1,))
+
+
+def _custom_call(cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, phase: Phase, operands: dict, *,
+                 varlen: bool, state_v_first: bool, has_initial_state: bool, output_final_state: bool):
+    """One custom call over `operands` (by name; absent ones empty). Returns (o, final_state, workspace)."""
+    empty = {"cu_seqlens": jnp.int32, "workspace": jnp.uint8}
+    args = [operands[name] if operands.get(name) is not None else jnp.zeros((0,), empty.get(name, jnp.float32))
+            for name in _CALL_OPERANDS]
+    q, v = operands["q"], operands["v"]
+    units = cfg.num_seqs * plan.num_segments
+    o_shape = (0, 0, 0, 0) if phase == Phase.SUMMARY else v.shape
+    final_entries = 0 if phase == Phase.SUMMARY or not output_final_state else units
+    state = (cfg.head_v, cfg.head_k) if state_v_first else (cfg.head_k, cfg.head_v)
+    final_shape = (final_entries, cfg.num_v_heads, *state) if final_entries else (0,)
+    aliases = {}
+    if phase == Phase.WHOLE and has_initial_state and output_final_state:
+        aliases[_INITIAL_STATE] = _FINAL_STATE
+    if phase == Phase.APPLY:
+        aliases[_WORKSPACE_IN] = _WORKSPACE_OUT
+    call = jax.ffi.ffi_call(
+        contract.FFI_TARGET,
+        (jax.ShapeDtypeStruct(o_shape, q.dtype), jax.ShapeDtypeStruct(final_shape, jnp.float32),
+         jax.ShapeDtypeStruct((plan.workspace_bytes,), jnp.uint8)),
+        input_output_aliases=aliases,
+    )
+    i32, f32 = np.int32, np.float32  # numpy scalars: each attribute gets an exact MLIR type
+    return call(
+        *args,
+        gate_mode=i32(cfg.gate_mode),
+        lower_bound=f32(cfg.lower_bound),
+        scale=f32(cfg.scale),
+        use_qk_l2norm=i32(cfg.use_qk_l2norm),
+        use_beta_sigmoid=i32(cfg.use_beta_sigmoid),
+        state_v_first=i32(state_v_first),
+        has_initial_state=i32(has_initial_state),
+        output_final_state=i32(output_final_state),
+        varlen=i32(varlen),
+        chunk_size=i32(plan.chunk_size),
+        v_split=i32(plan.v_split),
+        num_sequences=i32(cfg.num_seqs),
+        num_segments=i32(plan.num_segments),
+        phase=i32(phase),
+        kernels=i32(kernels),
+    )
+
+
+def _kernel_calls(*leaves, tree, cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels):
+    """The custom call(s) of one prefill: what the CUDA lowering emits."""
+    ops = jax.tree.unflatten(tree, leaves)
+    operands = dict(q=ops.q, k=ops.k, v=ops.v, g=ops.g, beta=ops.beta,
+                    A_log=None if ops.A_log is None else jnp.asarray(ops.A_log, jnp.float32),
+                    dt_bias=_dt_bias_operand(cfg, ops.dt_bias),
+                    cu_seqlens=None if ops.cu_seqlens is None else jnp.asarray(ops.cu_seqlens).astype(jnp.int32),
+                    initial_state=None if ops.initial_state is None else jnp.asarray(ops.initial_state, jnp.float32))
+    flags = dict(has_initial_state=cfg.has_initial_state, output_final_state=cfg.output_final_state)
+    if plan.num_segments == 1:
+        o, final, _ = _custom_call(cfg, plan, kernels, Phase.WHOLE, operands, varlen=cfg.varlen,
+                                   state_v_first=cfg.state_v_first, **flags)
+        return [o, final] if cfg.output_final_state else [o]
+
+    # Segmented: both calls see the N * S segments as one packed batch, states K-first.
+    b, t, n, s = cfg.batch, cfg.seqlen, cfg.num_seqs, plan.num_segments
+    tokens = b * t
+    cu = operands["cu_seqlens"] if cfg.varlen else np.arange(b + 1, dtype=np.int32) * t
+    flat = {name: jnp.reshape(operands[name], (1, tokens) + operands[name].shape[2:])
+            for name in ("q", "k", "v", "g", "beta")}
+    initial = operands["initial_state"]
+    if initial is not None and cfg.state_v_first:
+        initial = jnp.swapaxes(initial, -1, -2)
+    seg = dict(operands, **flat, cu_seqlens=jnp.asarray(segment_offsets(cu, s, plan.segment_len)), initial_state=initial)
+    _, _, workspace = _custom_call(cfg, plan, kernels, Phase.SUMMARY, seg, varlen=True, state_v_first=False,
+                                   has_initial_state=cfg.has_initial_state, output_final_state=False)
+    o, finals, _ = _custom_call(cfg, plan, kernels, Phase.APPLY, dict(seg, initial_state=None, workspace=workspace),
+                                varlen=True, state_v_first=False, has_initial_state=False,
+                                output_final_state=cfg.output_final_state)
+    o = jnp.reshape(o, (b, t) + o.shape[2:])
+    if not cfg.output_final_state:
+        return [o]
+    final = jnp.reshape(finals, (n, s) + finals.shape[1:])[:, -1]
+    return [o, jnp.swapaxes(final, -1, -2) if cfg.state_v_first else final]
+
+
+def _xla_calls(*leaves, tree, cfg: PrefillConfig):
+    o, final = xla_backend.prefill(cfg, jax.tree.unflatten(tree, leaves))
+    return [o, final] if cfg.output_final_state else [o]
+
+
+# --- The primitive's rules -------------------------------------------------------------------------------
+
+
+def _abstract_eval(*avals, tree, cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels):
+    ops = jax.tree.unflatten(tree, avals)
+    expected = {"q": (cfg.batch, cfg.seqlen, cfg.num_qk_heads, cfg.head_k),
+                "v": (cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v)}
+    for name, shape in expected.items():
+        if tuple(getattr(ops, name).shape) != shape:
+            raise ValueError(f"jax_kda prefill: operand {name} has shape {getattr(ops, name).shape}, "
+                             f"the config says {shape}")
+    o = jax.core.ShapedArray((cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v), jnp.dtype(cfg.dtype))
+    if not cfg.output_final_state:
+        return [o]
+    return [o, jax.core.ShapedArray(cfg.state_shape, jnp.float32)]
+
+
+def _cuda_lowering(ctx, *leaves, tree, cfg, plan, kernels):
+    calls = functools.partial(_kernel_calls, tree=tree, cfg=cfg, plan=plan, kernels=kernels)
+    return mlir.lower_fun(calls, multiple_results=True)(ctx, *leaves)
+
+
+def _portable_lowering(ctx, *leaves, tree, cfg, plan, kernels):
+    if kernels != Kernels.FOR_DEVICE:
+        backend = {v: k for k, v in contract.BACKEND_KERNELS.items()}.get(kernels, kernels.name)
+        raise ValueError(
+            f"backend={backend!r} runs only on CUDA GPUs, but this computation is being lowered for "
+            f"{', '.join(ctx.module_context.platforms)}; use backend='auto' (the kernels on CUDA, the XLA path "
+            "elsewhere) or backend='xla'")
+    return mlir.lower_fun(functools.partial(_xla_calls, tree=tree, cfg=cfg), multiple_results=True)(ctx, *leaves)
+
+
+def _batch(args, dims, *, tree, cfg, plan, kernels):
+    """vmap: one call per batch element (correct for dense and packed calls alike)."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    moved = [jnp.broadcast_to(a, (size,) + a.shape) if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
+             for a, d in zip(args, dims)]
+    results = jax.lax.map(lambda xs: prefill_p.bind(*xs, tree=tree, cfg=cfg, plan=plan, kernels=kernels), moved)
+    return results, [0] * len(results)
+
+
+def _jvp(primals, tangents, *, tree, cfg, plan, kernels):
+    """The kernel's results, with the XLA path's tangents (recomputed from the same inputs)."""
+    out = prefill_p.bind(*primals, tree=tree, cfg=cfg, plan=plan, kernels=kernels)
+    differentiable = [i for i, x in enumerate(primals) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+
+    def xla_path(*floats):
+        leaves = list(primals)
+        for i, x in zip(differentiable, floats):
+            leaves[i] = x
+        return _xla_calls(*leaves, tree=tree, cfg=cfg)
+
+    _, tangents_out = jax.jvp(xla_path, [primals[i] for i in differentiable],
+                              [ad.instantiate_zeros(tangents[i]) for i in differentiable])
+    return out, list(tangents_out)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_bind(tree, cfg, plan, kernels):
+    """One jitted bind per static configuration, so eager calls compile once, not every call."""
+    return jax.jit(functools.partial(prefill_p.bind, tree=tree, cfg=cfg, plan=plan, kernels=kernels))
+
+
+prefill_p.def_impl(lambda *leaves, **params: _compiled_bind(**params)(*leaves))
+prefill_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(prefill_p, _portable_lowering)
+mlir.register_lowering(prefill_p, _cuda_lowering, platform="cuda")
+batching.primitive_batchers[prefill_p] = _batch
+ad.primitive_jvps[prefill_p] = _jvp
