@@ -1,308 +1,307 @@
-"""jax_kda prefill vs FLA's chunk_kda (and the XLA path) over the grid of shared/BENCHMARKS.md.
+"""jax_kda prefill next to FlashKDA and FLA's chunk_kda, over the benchmark grid, in one process.
 
-    python benchmarks/bench_prefill.py --out results/          # every case, jax_kda + FLA
-    python benchmarks/bench_prefill.py --cases h96_fixed8k --xla --out results/
-    python benchmarks/bench_prefill.py --no-fla --cases h64_mixed,h64_8x1k --out results/   # testing.EXTRA_CASES
-    python benchmarks/bench_prefill.py --merge a/results.json b/results.json --out merged/
+    JAX_KDA_COMMIT=<commit> python benchmarks/bench_prefill.py --xla \
+        --out benchmarks/results/h200 --report benchmarks/BENCHMARK_H200.md   # the H200 report
+    python benchmarks/bench_prefill.py --cases h96_fixed8k,h64_mixed --out /tmp/run
+    python benchmarks/bench_prefill.py --backend xla --no-fla --no-flashkda --cases h2_fixed256 --out /tmp/cpu
 
-How it measures (printed with the results): for each implementation, K back-to-back calls on K
-different input sets (at least 8, and enough that they exceed 4x the 60 MB L2, so no call finds
-its inputs in cache), one device synchronisation, wall-clock time / K; the median of `--reps` such
-measurements after a warm-up. The same method times FLA (K eager torch calls) and jax_kda (one
-jitted XLA program holding the K calls), so host dispatch is amortised the same way for both. The first set is a
-fresh random draw (never zeros); the others are that set with every floating-point array rolled
-along its longest axis (distinct buffers and values, made on the device in milliseconds instead
-of minutes of host RNG). FLA and jax_kda get the same arrays (DLPack), and their outputs are
-checked against each other before anything is timed.
+Writes OUT/results.json (the run's facts and every row), OUT/table.md and OUT/prefill.png; with
+`--report PATH` also the markdown report (benchmarks/BENCHMARK_H200.md is this, on the H200), whose
+links point into OUT relative to PATH: run it in the checkout with OUT under benchmarks/results/ as
+above, then take both back (on a machine that returns only a folder, copy them there). Every number
+in them comes from this run of one build: record the build's commit with `--commit` or the
+JAX_KDA_COMMIT environment variable (the installed wheel has no .git; "unknown" otherwise).
 
-FLA is optional: install `fla-core==0.6.0` (it needs torch and triton); `FLA_FLASH_KDA=0` is set so
-it does not hand off to another library.
+Cases (`--cases`, default all of `jax_kda.testing.BENCHMARK_CASES`: the grid and EXTRA_CASES), or
+any name of the grid's form such as h2_fixed256, h4_3x1k or h8_mixed (see harness.workload).
+
+How it measures (harness.METHOD, printed with the results): for each implementation, K back-to-back
+calls on K distinct input sets (at least 8, and enough that they exceed 4x the 60 MB L2), one
+synchronisation; device time from CUPTI through torch.profiler (the span of the calls' GPU
+activity / K, median of 3), wall time also recorded. jax_kda runs as one jitted program of the K
+calls, the peers as K eager torch calls. The peers get the same arrays (DLPack), and their outputs
+(o and the final state) are compared with jax_kda's before anything is timed. Without torch with
+CUDA (e.g. `--backend xla` on a CPU) only wall time is taken.
+
+The peers are optional, each used when it imports (`--fla/--no-fla`, `--flashkda/--no-flashkda`):
+  * FLA: `fla.ops.kda.chunk_kda` (Triton), `pip install fla-core==0.6.0` on top of torch and triton.
+    `FLA_FLASH_KDA=0` is set so that it does not hand off to another library.
+  * FlashKDA: MoonshotAI's CUTLASS kernels (`flash_kda.fwd`), from the FlashKDA repository
+    (https://github.com/MoonshotAI/FlashKDA), built from source on the GPU machine (it needs nvcc and
+    torch with CUDA; put the built folder on PYTHONPATH). It serves only the lower-bound gate with
+    A_log, with gate, beta sigmoid and l2norm always applied, K = V = 128, as many value heads as q/k
+    heads, states [N, H, V, K]: the benchmark grid's flags. Other cases skip it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pathlib
-import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_kda
-from jax_kda import gold, planner
-from jax_kda.config import validate
-from jax_kda.testing import BENCHMARK_CASES, BENCHMARK_GRID, Workload, hbm_floor_bytes, make_inputs
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
-COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy on the H200 (shared/GPU.md)
-L2_BYTES = 60 * 2**20
-# FlashKDA's times from shared/BENCHMARKS.md (same GPU model, NOT this run: it is a CUTLASS build we
-# do not ship). Shown for reference next to the same-run FLA comparison.
-FLASHKDA_US = dict(
-    h96_fixed8k=1408, h96_mixed=1394, h96_8x1k=1194, h64_fixed8k=1190, h64_fixed1k=183,
-    h32_fixed8k=985, h32_fixed32k=3794, h12_fixed8k=858, h8_fixed64k=6351, h16_8x4k=853,
-)
-METHOD = (
-    "K >= 8 back-to-back calls on K distinct input sets (> 4x L2), one sync; device time = first GPU "
-    "activity start to last activity end (CUPTI via torch.profiler) / K, median of 3; wall time / K, "
-    "median of --reps, also recorded; same method for every implementation"
-)
+import jax_kda  # noqa: E402
+from jax_kda import gold  # noqa: E402
+from jax_kda.testing import BENCHMARK_CASES, Workload  # noqa: E402
+
+AGREEMENT_BAR = 2e-2  # a peer whose o or final state differs more from jax_kda's stops the run
 
 
-def derived_set(args, kwargs, i: int):
-    """Input set i > 0: every floating-point array of the first set rolled along its longest axis
-    by a shift that depends on i (integer arrays such as cu_seqlens are kept)."""
-
-    def roll(x):
-        if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jnp.floating) or x.size < 2:
-            return x
-        axis = int(np.argmax(x.shape))
-        return jnp.roll(x, max(1, (7919 * i) % x.shape[axis]), axis=axis)
-
-    return tuple(roll(a) for a in args), {key: roll(v) for key, v in kwargs.items()}
+# --- The peers ----------------------------------------------------------------------------------------------
 
 
-def input_bytes(args, kwargs) -> int:
-    arrays = list(args) + [v for v in kwargs.values() if hasattr(v, "nbytes")]
-    return sum(int(a.nbytes) for a in arrays)
-
-
-def split_kwargs(kwargs):
-    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
-    static = {k: v for k, v in kwargs.items() if k not in arrays}
-    return arrays, static
-
-
-def device_seconds(run, calls: int):
-    """GPU time per call of `run()` (which makes `calls` calls and waits for them): from the start
-    of its first GPU activity to the end of its last, recorded by CUPTI through the PyTorch
-    profiler (it sees every kernel of the process, jax's included). Idle gaps between the calls'
-    kernels count, as they do under CUDA events. None where torch with CUDA is unavailable."""
+def importable(module: str) -> str | None:
+    """None if `module` imports and torch has a CUDA device; else why not."""
     try:
+        __import__(module)
         import torch
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
+    except Exception as e:  # noqa: BLE001 (any import failure means: not available)
+        return f"cannot import {module}: {e}"
+    return None if torch.cuda.is_available() else "torch has no CUDA device"
+
+
+class Fla:
+    """flash-linear-attention's chunk_kda (Triton)."""
+
+    key, label, module = "fla", "FLA", "fla"
+
+    @staticmethod
+    def unsupported(w: Workload) -> str | None:
         return None
-    if not torch.cuda.is_available():
-        return None
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-    spans = [e.time_range for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not spans:
-        return None
-    return (max(s.end for s in spans) - min(s.start for s in spans)) * 1e-6 / calls
+
+    @staticmethod
+    def calls(torch_sets, static, w: Workload):
+        from fla.ops.kda import chunk_kda
+
+        def call(a, kw):
+            o, state = chunk_kda(
+                *a,
+                scale=static.get("scale"),
+                initial_state=kw.get("initial_state"),
+                output_final_state=static["output_final_state"],
+                use_qk_l2norm_in_kernel=static["use_qk_l2norm_in_kernel"],
+                use_gate_in_kernel=static.get("use_gate_in_kernel", False),
+                use_beta_sigmoid_in_kernel=static["use_beta_sigmoid_in_kernel"],
+                safe_gate=static.get("lower_bound") is not None,
+                lower_bound=static.get("lower_bound"),
+                A_log=kw.get("A_log"),
+                dt_bias=kw.get("dt_bias"),
+                state_v_first=static["state_v_first"],
+                cu_seqlens=kw.get("cu_seqlens"),
+                cu_seqlens_cpu=kw.get("cu_seqlens_cpu"),
+            )
+            return o, state
+
+        return [lambda a=a, kw=kw: call(a, kw) for a, kw in torch_sets]
 
 
-def measure(run, calls: int, reps: int) -> dict:
-    """Median device time (when measurable) and wall time per call of `run`, after a warm-up."""
-    run()
-    wall = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        wall.append((time.perf_counter() - start) / calls)
-    device = [device_seconds(run, calls) for _ in range(min(reps, 3))]
-    return dict(wall=statistics.median(wall),
-                device=statistics.median(device) if None not in device else None)
+class FlashKda:
+    """MoonshotAI's FlashKDA (CUTLASS): flash_kda.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias,
+    lower_bound, initial_state, final_state, cu_seqlens), writing o and the final state in place."""
+
+    key, label, module = "flashkda", "FlashKDA", "flash_kda"
+
+    @staticmethod
+    def unsupported(w: Workload) -> str | None:
+        reasons = []
+        if w.gate != "lower_bound":
+            reasons.append(f"gate {w.gate!r} (it has only the lower-bound gate with A_log)")
+        if not (w.l2norm and w.beta_sigmoid):
+            reasons.append("l2norm and beta sigmoid off (it always applies both)")
+        if (w.head_k, w.head_v) != (128, 128):
+            reasons.append(f"K={w.head_k}, V={w.head_v} (it needs 128)")
+        if w.num_v_heads != w.heads:
+            reasons.append("grouped value heads (it needs HV == H)")
+        if w.dtype != "bfloat16":
+            reasons.append(f"{w.dtype} inputs (it needs bfloat16)")
+        if not -5.0 <= w.lower_bound <= 0.0:
+            reasons.append(f"lower_bound {w.lower_bound} outside [-5, 0]")
+        return "; ".join(reasons) or None
+
+    @staticmethod
+    def calls(torch_sets, static, w: Workload):
+        import flash_kda
+        import torch
+
+        scale = static.get("scale") or w.head_k**-0.5
+        v_first = static["state_v_first"]
+        n, h = harness.num_sequences(w), w.heads
+        calls = []
+        for a, kw in torch_sets:
+            q, k, v, g, beta = (x.contiguous() for x in a)
+            g, beta = g.to(torch.bfloat16), beta.to(torch.bfloat16)  # it takes raw g and beta logits in bf16
+            state = kw.get("initial_state")
+            if state is not None and not v_first:  # its states are [N, H, V, K]; transposed once, untimed
+                state = state.transpose(-1, -2).contiguous()
+            final = (torch.empty((n, h, w.head_v, w.head_k), dtype=torch.float32, device=q.device)
+                     if static["output_final_state"] else None)
+            out = torch.empty_like(v)
+            a_log = kw["A_log"].float().contiguous()
+            dt_bias = kw["dt_bias"].float().reshape(h, w.head_k).contiguous()
+            cu = kw.get("cu_seqlens")
+
+            def call(q=q, k=k, v=v, g=g, beta=beta, out=out, a_log=a_log, dt_bias=dt_bias, state=state,
+                     final=final, cu=cu):
+                flash_kda.fwd(q, k, v, g, beta, scale, out, a_log, dt_bias, static["lower_bound"],
+                              initial_state=state, final_state=final, cu_seqlens=cu)
+                if final is not None and not v_first:
+                    return out, final.transpose(-1, -2)
+                return out, final
+
+            calls.append(call)
+        return calls
 
 
-def time_jax(sets, static, backend, reps):
-    """Per-call times of jax_kda.prefill over the K input sets (one jitted program of K calls)."""
+PEERS = (FlashKda, Fla)
+
+
+def time_peer(calls, reps: int) -> dict:
+    import torch
+
+    for call in calls:  # the first call per shape compiles or autotunes (FLA)
+        call()
+    torch.cuda.synchronize()
+
+    def run():
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+
+    return harness.measure(run, len(calls), reps)
+
+
+def err_ratios(ours, theirs) -> tuple[float, float | None]:
+    o = gold.err_ratio(theirs[0].float().cpu().numpy(), ours[0])
+    state = None if ours[1] is None else gold.err_ratio(theirs[1].float().cpu().numpy(), ours[1])
+    return o, state
+
+
+# --- jax_kda ------------------------------------------------------------------------------------------------
+
+
+def time_jax(inputs: harness.InputSets, backend: str, reps: int) -> dict:
+    """Per-call times of jax_kda.prefill over the input sets (one jitted program of the K calls)."""
+    static = inputs.static
 
     @jax.jit
     def many(all_sets):
         return [jax_kda.prefill(*a, **kw, **static, backend=backend) for a, kw in all_sets]
 
-    return measure(lambda: jax.block_until_ready(many(sets)), len(sets), reps)
-
-
-def fla_call(torch_sets_i, static):
-    from fla.ops.kda import chunk_kda
-
-    a, kw = torch_sets_i
-    return chunk_kda(
-        *a,
-        initial_state=kw.get("initial_state"),
-        output_final_state=static["output_final_state"],
-        use_qk_l2norm_in_kernel=static["use_qk_l2norm_in_kernel"],
-        use_gate_in_kernel=static.get("use_gate_in_kernel", False),
-        use_beta_sigmoid_in_kernel=static["use_beta_sigmoid_in_kernel"],
-        safe_gate=static.get("lower_bound") is not None,
-        lower_bound=static.get("lower_bound"),
-        A_log=kw.get("A_log"),
-        dt_bias=kw.get("dt_bias"),
-        state_v_first=static["state_v_first"],
-        cu_seqlens=kw.get("cu_seqlens"),
-        cu_seqlens_cpu=kw.get("cu_seqlens_cpu"),
-    )
-
-
-def to_torch(sets):
-    import torch
-
-    out = []
-    for a, kw in sets:
-        ta = [torch.from_dlpack(x) for x in a]
-        tkw = {k: torch.from_dlpack(v) for k, v in kw.items()}
-        if "cu_seqlens" in tkw:
-            tkw["cu_seqlens"] = tkw["cu_seqlens"].long()
-            tkw["cu_seqlens_cpu"] = tkw["cu_seqlens"].cpu()
-        out.append((ta, tkw))
-    return out
-
-
-def time_fla(torch_sets, static, reps):
-    import torch
-
-    for t in torch_sets:  # the first call per shape autotunes
-        fla_call(t, static)
-
-    def run():
-        for t in torch_sets:
-            fla_call(t, static)
-        torch.cuda.synchronize()
-
-    return measure(run, len(torch_sets), reps)
+    return harness.measure(lambda: jax.block_until_ready(many(inputs.sets)), len(inputs), reps)
 
 
 def run_case(w: Workload, args, rng) -> dict:
-    first_args, first_kwargs = make_inputs(w, rng)
-    set_bytes = input_bytes(first_args, first_kwargs)
-    k = min(max(8, math.ceil(4 * L2_BYTES / set_bytes)), 16)
-    sets = [(first_args, first_kwargs)] + [derived_set(first_args, first_kwargs, i) for i in range(1, k)]
-    static = split_kwargs(first_kwargs)[1]
-    sets = [(a, split_kwargs(kw)[0]) for a, kw in sets]
+    inputs = harness.input_sets(w, rng, args.sets)
+    decision = jax_kda.explain(*inputs.args, **inputs.kwargs, backend=args.backend)
+    plan = decision.plan if decision.backend != "xla" else None  # the kernels' plan, when they run
+    row = dict(case=w.name, tokens=w.total_tokens, sequences=harness.num_sequences(w), heads=w.heads,
+               sets=len(inputs), backend=decision.backend,
+               plan=None if plan is None else dict(v_split=plan.v_split, num_segments=plan.num_segments,
+                                                   segment_len=plan.segment_len, chunk=plan.chunk_size),
+               hbm_floor_us=harness.hbm_floor_us(w))
+    print(f"{w.name}: {decision}", flush=True)
 
-    cfg = validate(*first_args, **first_kwargs)
-    plan = planner.plan_prefill(cfg)
-    decision = jax_kda.explain(*first_args, **first_kwargs, backend=args.backend)
-    floor_s = hbm_floor_bytes(w) / COPY_BANDWIDTH
-    row = dict(case=w.name, tokens=w.total_tokens, heads=w.heads, sets=k, backend=decision.backend,
-               plan=dict(v_split=plan.v_split, num_segments=plan.num_segments, chunk=plan.chunk_size),
-               hbm_floor_us=floor_s * 1e6)
-
-    ours_o, ours_state = jax_kda.prefill(*first_args, **first_kwargs, backend=args.backend)
-    if args.fla:
-        os.environ.setdefault("FLA_FLASH_KDA", "0")
-        torch_sets = to_torch(sets)
-        fla_o, fla_state = fla_call(torch_sets[0], static)
+    o, state = jax_kda.prefill(*inputs.args, **inputs.kwargs, backend=args.backend)
+    ours = (np.asarray(jnp.asarray(o, jnp.float32)), None if state is None else np.asarray(state))
+    peers = [p for p in PEERS if getattr(args, p.key)]
+    if peers:
         import torch
 
-        row["agree_o"] = gold.err_ratio(np.asarray(jnp.asarray(ours_o, jnp.float32)), fla_o.float().cpu().numpy())
-        row["agree_state"] = gold.err_ratio(np.asarray(ours_state), fla_state.float().cpu().numpy())
-        if row["agree_o"] > 2e-2 or row["agree_state"] > 2e-2:
-            raise SystemExit(f"{w.name}: jax_kda and FLA disagree: {row}")
-        fla = time_fla(torch_sets, static, args.reps)
-        row["fla_us"] = (fla["device"] or fla["wall"]) * 1e6
-        row["fla_wall_us"] = fla["wall"] * 1e6
+        torch_sets = harness.to_torch(inputs.sets)
+        for peer in peers:
+            reason = peer.unsupported(w)
+            if reason:
+                print(f"{w.name}: {peer.label} skipped: {reason}", flush=True)
+                row[f"{peer.key}_skipped"] = reason
+                continue
+            calls = peer.calls(torch_sets, inputs.static, w)
+            err_o, err_state = err_ratios(ours, calls[0]())
+            row[f"{peer.key}_err_o"], row[f"{peer.key}_err_state"] = err_o, err_state
+            print(f"{w.name}: {peer.label} vs jax_kda err_ratio o {err_o:.2e}, state "
+                  f"{'—' if err_state is None else format(err_state, '.2e')}", flush=True)
+            if err_o > AGREEMENT_BAR or (err_state or 0.0) > AGREEMENT_BAR:
+                raise SystemExit(f"{w.name}: jax_kda and {peer.label} disagree (err_ratio > {AGREEMENT_BAR}): {row}")
+            t = time_peer(calls, args.reps)
+            row[f"{peer.key}_us"], row[f"{peer.key}_wall_us"] = harness.best_us(t), t["wall_us"]
+            row[f"{peer.key}_timing"] = "device" if t["device_us"] is not None else "wall"
+            del calls
         del torch_sets
         torch.cuda.empty_cache()
-    ours = time_jax(sets, static, args.backend, args.reps)
-    row["timing"] = "device" if ours["device"] else "wall"
-    row["jax_kda_us"] = (ours["device"] or ours["wall"]) * 1e6
-    row["jax_kda_wall_us"] = ours["wall"] * 1e6
+
+    t = time_jax(inputs, args.backend, args.reps)
+    row["timing"] = "device" if t["device_us"] is not None else "wall"
+    row["jax_kda_us"], row["jax_kda_wall_us"] = harness.best_us(t), t["wall_us"]
+    if t["kernels"] is not None and decision.backend != "xla":
+        row["kernels"] = t["kernels"]
     if args.xla:
-        xla = time_jax(sets, static, "xla", max(args.reps // 4, 3))
-        row["xla_us"] = (xla["device"] or xla["wall"]) * 1e6
+        x = time_jax(inputs, "xla", max(args.reps // 4, 3))
+        row["xla_us"] = harness.best_us(x)
     return row
 
 
-def with_ratios(row: dict) -> dict:
-    """The row plus its derived ratios (recomputed, so merged rows stay consistent)."""
-    out = dict(row, floor_fraction=row["hbm_floor_us"] / row["jax_kda_us"])
-    out.pop("speedup_vs_fla", None)
-    if "fla_us" in row:
-        out["speedup_vs_fla"] = row["fla_us"] / row["jax_kda_us"]
-    return out
-
-
-def write_report(rows, out: pathlib.Path, device: str):
-    rows = [with_ratios(r) for r in rows]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(dict(device=device, method=METHOD, rows=rows), indent=1))
-    header = (
-        "| case | tokens | H | plan (V-split, segments) | jax_kda µs | FLA µs | speedup vs FLA "
-        "| FlashKDA µs (BENCHMARKS.md) | speedup vs FlashKDA | XLA path µs | HBM floor µs | floor / jax_kda |"
-    )
-    lines = [header, "|" + "---|" * 12]
-    for r in rows:
-        fmt = lambda key, spec=".0f": format(r[key], spec) if key in r else "—"  # noqa: E731
-        lines.append(
-            f"| {r['case']} | {r['tokens']} | {r['heads']} | {r['plan']['v_split']}, {r['plan']['num_segments']} "
-            f"| {fmt('jax_kda_us')} | {fmt('fla_us')} | {fmt('speedup_vs_fla', '.2f')} "
-            f"| {FLASHKDA_US.get(r['case'], '—')} "
-            f"| {format(FLASHKDA_US[r['case']] / r['jax_kda_us'], '.2f') if r['case'] in FLASHKDA_US else '—'} "
-            f"| {fmt('xla_us')} "
-            f"| {fmt('hbm_floor_us')} | {fmt('floor_fraction', '.1%')} |"
-        )
-    table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(12, 4.5))
-        x = np.arange(len(rows))
-        series = [("jax_kda_us", "jax_kda"), ("fla_us", "FLA chunk_kda"), ("xla_us", "jax_kda XLA path")]
-        present = [(key, label) for key, label in series if any(key in r for r in rows)]
-        width = 0.8 / max(len(present), 1)
-        for i, (key, label) in enumerate(present):
-            ax.bar(x + i * width, [r.get(key, np.nan) for r in rows], width, label=label)
-        ax.scatter(x + 0.4 - width / 2, [r["hbm_floor_us"] for r in rows], marker="_", s=400, c="k",
-                   label="HBM floor", zorder=3)
-        ax.scatter(x + 0.4 - width / 2, [FLASHKDA_US.get(r["case"], np.nan) for r in rows], marker="*", s=80,
-                   c="crimson", label="FlashKDA (BENCHMARKS.md, not this run)", zorder=3)
-        ax.set_yscale("log")
-        ax.set_xticks(x + 0.4 - width / 2, [r["case"] for r in rows], rotation=30, ha="right")
-        ax.set_ylabel("µs per call (log)")
-        ax.set_title(f"KDA prefill on {device}")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, not over them
-        fig.tight_layout()
-        fig.savefig(out / "prefill.png", dpi=110)
-    except ImportError:
-        print("matplotlib not installed: no plot")
-    return table
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(w.name for w in BENCHMARK_GRID),
-                        help="comma-separated names from the grid (default: all of it) or testing.EXTRA_CASES")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--fla", action=argparse.BooleanOptionalAction, default=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[1:]))
+    parser.add_argument("--cases", default=",".join(BENCHMARK_CASES),
+                        help="comma-separated case names (default: all of testing.BENCHMARK_CASES)")
+    parser.add_argument("--backend", default="auto", help="jax_kda's backend (default auto)")
+    parser.add_argument("--reps", type=int, default=20, help="wall-time repetitions per measurement")
+    parser.add_argument("--sets", type=int, default=None, help="input sets per timed program (default: by size)")
+    parser.add_argument("--fla", action=argparse.BooleanOptionalAction, default=None,
+                        help="time FLA's chunk_kda (default: when it imports and CUDA is there)")
+    parser.add_argument("--flashkda", action=argparse.BooleanOptionalAction, default=None,
+                        help="time FlashKDA (default: when flash_kda imports and CUDA is there)")
     parser.add_argument("--xla", action="store_true", help="also time backend='xla'")
-    parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--merge", nargs="+", type=pathlib.Path, help="only merge earlier results.json files")
+    parser.add_argument("--out", type=pathlib.Path, required=True,
+                        help="folder for results.json, table.md, prefill.png")
+    parser.add_argument("--report", type=pathlib.Path, help="also write the markdown report here")
+    parser.add_argument("--commit", default=None,
+                        help=f"the jax_kda build's git commit (default ${harness.COMMIT_ENV}, else 'unknown')")
     args = parser.parse_args()
 
-    if args.merge:
-        runs = [json.loads(p.read_text()) for p in args.merge]
-        merged = {}
-        for run in runs:  # a later file's row for a case (or a later field) wins
-            for row in run["rows"]:
-                merged[row["case"]] = {**merged.get(row["case"], {}), **row}
-        order = list(BENCHMARK_CASES)
-        rows = sorted(merged.values(), key=lambda r: order.index(r["case"]))
-        print(write_report(rows, args.out, runs[-1]["device"]))
-        return
+    cases = [harness.workload(name) for name in args.cases.split(",") if name]
+    if args.fla is not False or args.flashkda is not False:
+        os.environ.setdefault("FLA_FLASH_KDA", "0")
+    for peer in PEERS:
+        wanted = getattr(args, peer.key)
+        reason = importable(peer.module) if wanted is not False else None
+        if reason and wanted:
+            raise SystemExit(f"--{peer.key}: {reason}")
+        if reason:
+            print(f"{peer.label} not timed: {reason}")
+        setattr(args, peer.key, wanted is not False and reason is None)
 
-    by_name = BENCHMARK_CASES
-    device = jax.devices()[0].device_kind
+    meta = harness.run_metadata(args.commit)
+    if args.flashkda:
+        meta["versions"]["flash_kda"] = harness.package_version("flash_kda") or "source build"
+    print(f"jax_kda build {meta['commit']} on {meta['device']}, {meta['date']}", flush=True)
     rng = np.random.default_rng()
     rows = []
-    for name in args.cases.split(","):
-        row = run_case(by_name[name], args, rng)
+    for w in cases:
+        row = run_case(w, args, rng)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\nmethod: {METHOD}\ndevice: {device}, {time.strftime('%Y-%m-%d')}\n")
-    print(write_report(rows, args.out, device))
+    table = harness.write_results(args.out, rows, meta)
+    if args.report:
+        try:
+            results_dir = os.path.relpath(args.out.resolve(), args.report.resolve().parent)
+        except ValueError:
+            results_dir = str(args.out.resolve())
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(harness.render_report(rows, meta, results_dir))
+        print(f"report: {args.report}")
+    print(f"\nmethod: {harness.METHOD}\ndevice: {meta['device']}, {meta['date']}, "
+          f"jax_kda build {meta['commit']}\n")
+    print(table)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,485 @@
+"""What the benchmark scripts share: the workloads and their input sets, timing, and the reports.
+
+  * Workloads: `workload(name)`: a case of `jax_kda.testing.BENCHMARK_CASES`, or any name of the
+    grid's form (`h2_fixed256`, `h4_3x1k`, `h8_mixed`), built with the grid's flags; `input_sets`
+    draws the first input set and derives the others from it (`derived_set`).
+  * Timing: `measure(run, calls, reps)`: device time from CUPTI through `torch.profiler` (the span of
+    all GPU activity of `run()`, and the same profiled runs summed per kernel kind: `by_kernel`),
+    and wall time; without torch or CUDA, wall time only. `gpu_activities` is the profiler part.
+  * Reports: `write_results` (results.json, table.md, prefill.png), `render_report` (the markdown
+    page, e.g. benchmarks/BENCHMARK_H200.md), `run_metadata` (date, GPU, build commit, versions).
+
+torch is imported only inside the functions that need it: the scripts import this module (and parse
+their arguments) on a machine without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import re
+import shlex
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kda.testing import BENCHMARK_CASES, MIXED_SEQLENS, Workload, hbm_floor_bytes, make_inputs
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s: a device-to-device copy on the H200 (bytes read + written)
+L2_BYTES = 60 * 2**20  # the H200's L2
+MIN_SETS, MAX_SETS = 8, 16  # input sets per timed program (enough to exceed 4x L2, within limits)
+PROFILED_RUNS = 3  # runs under the profiler per measurement (device time: their median)
+COMMIT_ENV = "JAX_KDA_COMMIT"  # the jax_kda build's git commit, when not given as --commit
+
+METHOD = (
+    "Each implementation runs K back-to-back calls on K distinct input sets (K >= 8, and enough that the sets "
+    "exceed 4x the 60 MB L2, so no call finds its inputs in cache; at most 16): jax_kda as one jitted XLA "
+    "program holding the K calls, FLA and FlashKDA as K eager torch calls, then one synchronisation. Device "
+    "time: the span from the start of the first to the end of the last GPU activity of the K calls, recorded "
+    "by CUPTI through torch.profiler (it sees every kernel of the process, jax's included; idle gaps between "
+    "kernels count), / K, median of 3 profiled runs, after a warm-up. Wall time / K (median of --reps runs) is "
+    "recorded too (*_wall_us in results.json); where no device time can be taken (no torch with CUDA) the "
+    "tables show wall time. Per kernel: the durations of the profiled runs' GPU activities summed by name "
+    "(prepare_chunks, the recurrence, combine_segments, everything else: XLA's own ops and copies) / K, "
+    "median of the 3 runs; they need not add up to the span (gaps, overlap). The first input set is a fresh "
+    "random draw (never zeros); the others are that set with every floating-point array rolled along its "
+    "longest axis. All implementations get the same arrays (torch tensors shared with JAX by DLPack), and "
+    "their outputs are compared with jax_kda's (err_ratio of o and of the final state) before anything is "
+    "timed. HBM floor: the fewest bytes a prefill moves (q, k, v, raw g, beta read once, o written once, "
+    "states read and written once) over 4.3 TB/s, the copy bandwidth measured on the H200."
+)
+
+
+# --- Workloads and input sets ------------------------------------------------------------------------------
+
+_GRID_NAME = re.compile(r"h(\d+)_(?:fixed(\d+)(k?)|(\d+)x(\d+)(k?)|(mixed))")
+
+
+def workload(name: str) -> Workload:
+    """A benchmark case by name: one of `testing.BENCHMARK_CASES`, or a name of the grid's form, built
+    with the grid's flags (D = 128, bf16, lower-bound gate, fp32 states, [N, H, V, K] layout):
+    `h<H>_fixed<T>` (one sequence of T tokens; `k` = 1024: `h2_fixed1k`), `h<H>_<N>x<T>` (N packed
+    sequences of T), `h<H>_mixed` (the packed mixed batch)."""
+    if name in BENCHMARK_CASES:
+        return BENCHMARK_CASES[name]
+    m = _GRID_NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(f"unknown case {name!r}: not in testing.BENCHMARK_CASES ({', '.join(BENCHMARK_CASES)}) "
+                         "and not of the form h<H>_fixed<T>, h<H>_<N>x<T> or h<H>_mixed")
+    heads, fixed, fixed_k, count, length, length_k, mixed = m.groups()
+    template = BENCHMARK_CASES["h96_fixed8k"]
+    if fixed is not None:
+        return dataclasses.replace(template, name=name, heads=int(heads), seqlen=int(fixed) * (1024 if fixed_k else 1))
+    seqlens = MIXED_SEQLENS if mixed else (int(length) * (1024 if length_k else 1),) * int(count)
+    return dataclasses.replace(template, name=name, heads=int(heads), seqlen=0, seqlens=seqlens)
+
+
+def num_sequences(w: Workload) -> int:
+    return len(w.seqlens) if w.seqlens is not None else w.batch
+
+
+def derived_set(args, kwargs, i: int):
+    """Input set i > 0: every floating-point array of the first set rolled along its longest axis
+    by a shift that depends on i (integer arrays such as cu_seqlens are kept)."""
+
+    def roll(x):
+        if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jnp.floating) or x.size < 2:
+            return x
+        axis = int(np.argmax(x.shape))
+        return jnp.roll(x, max(1, (7919 * i) % x.shape[axis]), axis=axis)
+
+    return tuple(roll(a) for a in args), {key: roll(v) for key, v in kwargs.items()}
+
+
+def input_bytes(args, kwargs) -> int:
+    arrays = list(args) + [v for v in kwargs.values() if hasattr(v, "nbytes")]
+    return sum(int(a.nbytes) for a in arrays)
+
+
+def split_kwargs(kwargs):
+    """(the array kwargs, the static ones): arrays travel through jit, flags are closed over."""
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in kwargs.items() if k not in arrays}
+    return arrays, static
+
+
+def set_count(set_bytes: int) -> int:
+    """Input sets per timed program: at least MIN_SETS and > 4x L2 in all, at most MAX_SETS."""
+    return min(max(MIN_SETS, math.ceil(4 * L2_BYTES / max(set_bytes, 1))), MAX_SETS)
+
+
+@dataclasses.dataclass
+class InputSets:
+    """A case's inputs: the first set as `prefill` takes it (`args`, `kwargs`), and all K sets as
+    (args, array kwargs) pairs with the flags in `static` (`prefill(*a, **kw, **static)`)."""
+
+    workload: Workload
+    args: tuple
+    kwargs: dict
+    static: dict
+    sets: list
+
+    def __len__(self) -> int:
+        return len(self.sets)
+
+
+def input_sets(w: Workload, rng: np.random.Generator, count: int | None = None) -> InputSets:
+    """The first set drawn by `testing.make_inputs`, the others derived from it on the device;
+    `count` None: `set_count` of the set's bytes."""
+    args, kwargs = make_inputs(w, rng)
+    k = count or set_count(input_bytes(args, kwargs))
+    raw = [(args, kwargs)] + [derived_set(args, kwargs, i) for i in range(1, k)]
+    sets = [(a, split_kwargs(kw)[0]) for a, kw in raw]
+    jax.block_until_ready(sets)
+    return InputSets(w, args, kwargs, split_kwargs(kwargs)[1], sets)
+
+
+def hbm_floor_us(w: Workload) -> float:
+    return hbm_floor_bytes(w) / COPY_BANDWIDTH * 1e6
+
+
+# --- Timing -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Activity:
+    """One GPU activity (kernel, copy, memset) recorded by CUPTI; times in µs."""
+
+    name: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def cuda_profiler_available() -> bool:
+    try:
+        import torch
+        import torch.profiler  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def gpu_activities(run) -> list[Activity] | None:
+    """Every GPU activity of one `run()` (which must wait for its work), sorted by start, recorded by
+    CUPTI through the PyTorch profiler (it sees every kernel of the process, jax's included). None
+    where torch with CUDA is unavailable or nothing was recorded."""
+    if not cuda_profiler_available():
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one run per profile
+        warnings.filterwarnings("ignore", message="Profiler clears events")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+        events = [Activity(e.name, e.time_range.start, e.time_range.end)
+                  for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(events, key=lambda a: a.start) or None
+
+
+# Kernel kinds by a part of the kernel's name (lower case): jax_kda's kernels are named after their
+# CuTe DSL classes and functions (prepare_chunks, WgmmaRecurrence / MmaSyncRecurrence, combine_segments).
+KERNEL_KINDS = (("prepare", "prepare_chunks"), ("recurrence", "recurrence"), ("combine", "combine_segments"))
+KERNEL_PARTS = tuple(kind for kind, _ in KERNEL_KINDS) + ("other",)
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, key in KERNEL_KINDS if key in lower), "other")
+
+
+def by_kernel(activities: list[Activity], calls: int) -> dict[str, float]:
+    """µs per call of each kernel kind (KERNEL_PARTS): durations summed by name / `calls`."""
+    out = dict.fromkeys(KERNEL_PARTS, 0.0)
+    for a in activities:
+        out[kernel_kind(a.name)] += a.duration / calls
+    return out
+
+
+def span_us(activities: list[Activity]) -> float:
+    return max(a.end for a in activities) - min(a.start for a in activities)
+
+
+def measure(run, calls: int, reps: int, profiled: int = PROFILED_RUNS) -> dict:
+    """Per-call times of `run` (which makes `calls` calls and waits for them), after one warm-up run:
+    `wall_us` (median of `reps` runs), `device_us` (median CUPTI span of `profiled` runs, None without
+    torch/CUDA) and `kernels` (µs per call per KERNEL_PARTS kind, the median of those runs; None
+    likewise)."""
+    run()
+    wall = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        wall.append((time.perf_counter() - start) / calls * 1e6)
+    out = dict(wall_us=statistics.median(wall), device_us=None, kernels=None)
+    profiles = [gpu_activities(run) for _ in range(profiled)]
+    if profiles and all(profiles):
+        out["device_us"] = statistics.median(span_us(p) / calls for p in profiles)
+        parts = [by_kernel(p, calls) for p in profiles]
+        out["kernels"] = {kind: statistics.median(p[kind] for p in parts) for kind in KERNEL_PARTS}
+    return out
+
+
+def best_us(timing: dict) -> float:
+    """The figure the tables use: device time where measured, else wall time."""
+    return timing["device_us"] if timing["device_us"] is not None else timing["wall_us"]
+
+
+def to_torch(sets):
+    """The input sets as torch tensors sharing the JAX buffers (DLPack); cu_seqlens as int64 (and a
+    host copy as `cu_seqlens_cpu`)."""
+    import torch
+
+    out = []
+    for a, kw in sets:
+        ta = [torch.from_dlpack(x) for x in a]
+        tkw = {k: torch.from_dlpack(v) for k, v in kw.items()}
+        if "cu_seqlens" in tkw:
+            tkw["cu_seqlens"] = tkw["cu_seqlens"].long()
+            tkw["cu_seqlens_cpu"] = tkw["cu_seqlens"].cpu()
+        out.append((ta, tkw))
+    return out
+
+
+# --- Run metadata -------------------------------------------------------------------------------------------
+
+
+def package_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run_metadata(commit: str | None = None) -> dict:
+    """Date, command, GPU and software of this run. `commit`: the jax_kda build's git commit (the
+    installed wheel has no .git), default the JAX_KDA_COMMIT environment variable, else "unknown"."""
+    import jax_kda
+
+    device = jax.devices()[0]
+    script = sys.argv[0]
+    try:
+        rel = os.path.relpath(script)
+        script = rel if not rel.startswith("..") else script
+    except ValueError:
+        pass
+    versions = {"jax": jax.__version__, "jaxlib": package_version("jaxlib"), "jax_kda": jax_kda.__version__}
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        versions["torch"] = torch.__version__
+        versions["triton"] = package_version("triton")
+        versions["fla-core"] = package_version("fla-core")
+    return dict(
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
+        command="python " + shlex.join([script] + sys.argv[1:]),
+        commit=commit or os.environ.get(COMMIT_ENV) or "unknown",
+        device=device.device_kind,
+        platform=device.platform,
+        sms=getattr(device, "core_count", None),
+        compute_capability=getattr(device, "compute_capability", None),
+        versions={k: v for k, v in versions.items() if v},
+        method=METHOD,
+    )
+
+
+# --- Tables, plot and report --------------------------------------------------------------------------------
+
+
+def with_ratios(row: dict) -> dict:
+    """The row plus its derived ratios: floor / jax_kda, and each peer's time / jax_kda's."""
+    out = dict(row, floor_fraction=row["hbm_floor_us"] / row["jax_kda_us"])
+    for peer in ("flashkda", "fla"):
+        if row.get(f"{peer}_us") is not None:
+            out[f"speedup_vs_{peer}"] = row[f"{peer}_us"] / row["jax_kda_us"]
+    return out
+
+
+def _fmt(value, spec=".0f", suffix=""):
+    return "—" if value is None else format(value, spec) + suffix
+
+
+def _us(value) -> str:
+    """µs: whole numbers, one decimal below 10 (tiny cases' floors)."""
+    return _fmt(value, ".1f" if value is not None and abs(value) < 10 else ".0f")
+
+
+def _tokens(r: dict) -> str:
+    n = r.get("sequences", 1)
+    return f"{r['tokens']} ({n} seqs)" if n > 1 else str(r["tokens"])
+
+
+def _plan(r: dict) -> str:
+    p = r.get("plan")
+    return "— (xla)" if not p else f"{p['v_split']} / {p['num_segments']}"
+
+
+def render_table(rows: list[dict]) -> str:
+    """The markdown table: one row per case. Per-kernel and XLA-path columns only where measured."""
+    rows = [with_ratios(r) for r in rows]
+    kernels = any(r.get("kernels") for r in rows)
+    xla = any(r.get("xla_us") is not None for r in rows)
+    head = ["case", "tokens", "H", "plan (V split / segments)", "jax_kda µs", "FlashKDA µs", "FLA µs",
+            "vs FlashKDA", "vs FLA", "HBM floor µs", "floor / jax_kda"]
+    if kernels:
+        head += ["prepare µs", "recurrence µs", "combine µs", "other µs"]
+    if xla:
+        head += ["XLA path µs"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["case"], _tokens(r), str(r["heads"]), _plan(r), _us(r["jax_kda_us"]),
+                 _us(r.get("flashkda_us")), _us(r.get("fla_us")),
+                 _fmt(r.get("speedup_vs_flashkda"), ".2f", "x"), _fmt(r.get("speedup_vs_fla"), ".2f", "x"),
+                 _us(r["hbm_floor_us"]), _fmt(r["floor_fraction"], ".1%")]
+        if kernels:
+            parts = r.get("kernels") or {}
+            cells += [_us(parts.get(kind)) for kind in KERNEL_PARTS]
+        if xla:
+            cells += [_us(r.get("xla_us"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_agreement(rows: list[dict]) -> str | None:
+    """The agreement table (err_ratio of each peer's o and final state against jax_kda's)."""
+    peers = [(p, label) for p, label in (("flashkda", "FlashKDA"), ("fla", "FLA"))
+             if any(r.get(f"{p}_err_o") is not None for r in rows)]
+    if not peers:
+        return None
+    head = ["case"] + [f"{label} {what}" for _, label in peers for what in ("o", "state")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["case"]] + [_fmt(r.get(f"{p}_err_{what}"), ".2e") for p, _ in peers for what in ("o", "state")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_plot(rows: list[dict], path: pathlib.Path, device: str) -> bool:
+    """Time per case (log scale) per implementation, the HBM floor drawn; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return False
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    x = np.arange(len(rows))
+    series = [("jax_kda_us", "jax_kda"), ("flashkda_us", "FlashKDA"), ("fla_us", "FLA chunk_kda"),
+              ("xla_us", "jax_kda XLA path")]
+    present = [(key, label) for key, label in series if any(r.get(key) is not None for r in rows)]
+    width = 0.8 / max(len(present), 1)
+    for i, (key, label) in enumerate(present):
+        ax.bar(x + i * width, [r.get(key) or np.nan for r in rows], width, label=label)
+    centre = x + 0.4 - width / 2
+    ax.scatter(centre, [r["hbm_floor_us"] for r in rows], marker="_", s=400, c="k", label="HBM floor", zorder=3)
+    ax.set_yscale("log")
+    ax.set_xticks(centre, [r["case"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("µs per call (log)")
+    ax.set_title(f"KDA prefill on {device}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_results(out: pathlib.Path, rows: list[dict], meta: dict) -> str:
+    """out/results.json (meta + rows with their ratios), out/table.md, out/prefill.png. Returns the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    full = [with_ratios(r) for r in rows]
+    (out / "results.json").write_text(json.dumps(dict(meta, rows=full), indent=1) + "\n")
+    table = render_table(rows)
+    (out / "table.md").write_text(table + "\n")
+    meta["plot"] = write_plot(full, out / "prefill.png", meta["device"])
+    return table
+
+
+GENERATED = ("Generated by `benchmarks/bench_prefill.py --report` from one run of one build in one process: "
+             "do not edit by hand, rerun the command below.")
+
+
+def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, notes: tuple[str, ...] = (),
+                  provenance: str = GENERATED) -> str:
+    """The markdown report of one run (e.g. benchmarks/BENCHMARK_H200.md). `results_dir`: the results
+    folder as a path relative to the report (for its links); `notes`: paragraphs placed after the
+    run's facts; `provenance`: the sentence under the title saying where the page comes from."""
+    sms = f", {meta['sms']} SMs" if meta.get("sms") else ""
+    cc = f", compute capability {meta['compute_capability']}" if meta.get("compute_capability") else ""
+    versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
+    lines = [
+        f"# jax_kda prefill on the {meta['device']}",
+        "",
+        provenance,
+        "",
+        f"- Date: {meta['date']}",
+        f"- jax_kda build: commit `{meta['commit']}`",
+        f"- {'GPU' if meta.get('platform', 'gpu') == 'gpu' else 'Device'}: {meta['device']}{sms}{cc}",
+        f"- Software: {versions}",
+        f"- Command: `{meta['command']}`",
+    ]
+    def link(name):
+        return name if results_dir in (None, "", ".") else f"{results_dir}/{name}"
+
+    if results_dir is not None:
+        lines.append(f"- Raw rows: `{link('results.json')}`; the table alone: `{link('table.md')}`")
+    lines.append("")
+    for note in notes:
+        lines += [note, ""]
+    wall = [r["case"] for r in rows
+            if "wall" in (r.get("timing"), r.get("fla_timing"), r.get("flashkda_timing"))]
+    timing = ("device time" if not wall else
+              f"device time, except wall time where none could be taken ({', '.join(wall)}; see results.json)")
+    lines += [
+        "Cases: `jax_kda.testing.BENCHMARK_CASES` (D = K = V = 128, bf16 q / k / v / raw g / beta, lower-bound "
+        "gate -5 with A_log, gate + beta sigmoid + q/k l2norm in the kernel, fp32 initial and final state in the "
+        f"`[N, H, V, K]` layout). Times are µs per call, {timing}; "
+        "\"vs X\" is X's time / jax_kda's; plan is the kernels' V split and segments per sequence (intracard "
+        "context parallelism); per-kernel columns are jax_kda's kernels; — means not run.",
+        "",
+        render_table(rows),
+        "",
+    ]
+    if results_dir is not None and meta.get("plot", True):
+        lines += [f"![time per case, log scale, with the HBM floor]({link('prefill.png')})", ""]
+    agreement = render_agreement(rows)
+    if agreement:
+        lines += ["## Agreement (checked before timing)", "",
+                  "err_ratio (RMS of the difference / RMS of jax_kda's) of each peer's o and final state against "
+                  "jax_kda's, on the same inputs:", "", agreement, ""]
+    lines += [
+        "## Method",
+        "",
+        meta["method"],
+        "",
+        "Peers: FLA is `fla.ops.kda.chunk_kda` (`pip install fla-core==0.6.0`, Triton; `FLA_FLASH_KDA=0` so it "
+        "does not hand off to another library), called with the same flags (gate, beta sigmoid and l2norm in "
+        "kernel, `safe_gate`, `lower_bound`, `state_v_first`). FlashKDA is `flash_kda.fwd` from MoonshotAI's "
+        "FlashKDA repository (https://github.com/MoonshotAI/FlashKDA), built from source (CUTLASS; bf16 state "
+        "inside, fp32 states in and out), which always applies the lower-bound gate, beta sigmoid and l2norm.",
+        "",
+        "## Reproduce",
+        "",
+        "On the GPU machine, with the jax_kda wheel of the commit above installed and FLA and FlashKDA "
+        f"importable (the script uses each peer it can import), the build's commit in `{COMMIT_ENV}` or "
+        "`--commit`:",
+        "",
+        "```bash",
+        meta["command"],
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
