@@ -56,20 +56,32 @@ def cubin_arch(cubin: bytes) -> str:
     return f"sm_{sm}{'a' if specific else ''}"
 
 
-def register_counts(cubin: bytes) -> dict[str, int]:
-    """{kernel name: registers per thread}: the EIATTR_REGCOUNT entries of `.nv.info` (keyed by
-    symbol index), matched to the `.text.<kernel>` sections through their sh_info."""
+def _section_names(cubin: bytes) -> list[tuple[str, tuple]]:
+    """(name, header) of every section of `cubin`."""
     headers = _section_headers(cubin)
     (shstrndx,) = struct.unpack_from("<H", cubin, 0x3E)
     names_off = headers[shstrndx][4]
-
-    def name(offset):
-        end = cubin.index(b"\0", names_off + offset)
-        return cubin[names_off + offset:end].decode()
-
-    regs_by_symbol, kernel_by_symbol = {}, {}
+    out = []
     for h in headers:
-        section = name(h[0])
+        end = cubin.index(b"\0", names_off + h[0])
+        out.append((cubin[names_off + h[0]:end].decode(), h))
+    return out
+
+
+def text_digests(cubin: bytes) -> dict[str, str]:
+    """{kernel: md5 of its `.text` section}: the machine code alone, to show that a change left the
+    kernels byte for byte as they were (build/kernel_digests.py prints them for a built file)."""
+    import hashlib
+
+    return {name[len(".text."):]: hashlib.md5(cubin[h[4]:h[4] + h[5]]).hexdigest()
+            for name, h in _section_names(cubin) if name.startswith(".text.")}
+
+
+def register_counts(cubin: bytes) -> dict[str, int]:
+    """{kernel name: registers per thread}: the EIATTR_REGCOUNT entries of `.nv.info` (keyed by
+    symbol index), matched to the `.text.<kernel>` sections through their sh_info."""
+    regs_by_symbol, kernel_by_symbol = {}, {}
+    for section, h in _section_names(cubin):
         if section.startswith(".text."):
             kernel_by_symbol[h[7]] = section[len(".text."):]
         if section == ".nv.info":

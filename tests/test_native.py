@@ -13,7 +13,7 @@ import pytest
 from jaxlib import xla_client
 
 from jax_kda import _native, contract
-from jax_kda._cubin import cubin_arch, embedded_cubins, max_registers, register_counts
+from jax_kda._cubin import cubin_arch, embedded_cubins, max_registers, register_counts, text_digests
 
 # A build without a CUDA toolkit is pure Python (backend="xla" only); CI builds with
 # JAX_KDA_BUILD_KERNELS=ON, so there a missing extension fails the install instead of skipping here.
@@ -46,6 +46,16 @@ def test_extension_embeds_a_cubin_for_each_kernel_object():
     # mma.sync prefill on sm_100a, and the same mma.sync kernels built for sm_90a (to test them there).
     archs = [cubin_arch(c) for c in embedded_cubins(pathlib.Path(_native.load().__file__).read_bytes())]
     assert sorted(archs) == sorted(o.arch.name for o in contract.KERNEL_OBJECTS)
+
+
+@requires_extension
+def test_every_kernel_has_a_text_digest_and_a_register_count():
+    """build/kernel_digests.py's view of the build: one .text digest per kernel, the same kernels
+    that carry register counts (prepare, combine x 2, recurrence x 3 per object)."""
+    for image in embedded_cubins(pathlib.Path(_native.load().__file__).read_bytes()):
+        digests = text_digests(image)
+        assert len(digests) == 6 and set(digests) == set(register_counts(image))
+        assert all(len(d) == 32 for d in digests.values())
 
 
 @requires_extension

@@ -175,7 +175,13 @@ def store_output(acc_o: cute.Tensor, crd_t: cute.Tensor, s_out: cute.Tensor, o: 
 
 
 class ChunkRecurrence:
-    """Host-side setup (TMA atoms, smem layouts, MMAs) and the device kernel."""
+    """Host-side setup (TMA atoms, smem layouts) and the device kernel, for a subclass to complete:
+
+    * `make_mmas(self)` sets `self.mma_tok` (U^T and O^T), `self.mma_state` (the state update) and
+      `self.mma_vw` (U^T = v^T W^T), the tiled MMAs; called on the host before the launch;
+    * `consume(self, ...)` (a `cute.jit` method, called by `kernel` with the arguments below) is the
+      MMA warps' serial walk over the chunks, from `load_state` to `store_state`.
+    """
 
     # Launch bound: None here (ptxas lands on exactly 168 registers, the most that lets two CTAs
     # share an SM; with the bound it spilled 8 bytes). Subclasses may set 2 to have ptxas hold them
@@ -189,11 +195,6 @@ class ChunkRecurrence:
         self.mma_tok = None
         self.mma_state = None
         self.mma_vw = None
-
-    def make_mmas(self):
-        """Sets self.mma_tok (U^T, O^T), self.mma_state (the state update), self.mma_vw (U^T = v^T W^T):
-        the tiled MMAs `consume` runs; called on the host before the launch."""
-        raise NotImplementedError
 
     @cute.jit
     def launch(self, neg_kw: cute.Tensor, qd: cute.Tensor, kr: cute.Tensor, mqk: cute.Tensor,
@@ -347,13 +348,3 @@ class ChunkRecurrence:
                          s_dec, s_out,
                          initial_state, o, final_state, flags, tidx, seq, hv, v_slice, bos, eos,
                          num_chunks)
-
-    @cute.jit
-    def consume(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mma_vw: cute.TiledMma, loads,
-                s_kw: cute.Tensor, s_qd: cute.Tensor, s_kr: cute.Tensor, s_mqk: cute.Tensor,
-                s_v: cute.Tensor, s_whi: cute.Tensor, s_wlo: cute.Tensor, s_dec: cute.Tensor, s_out: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
-                final_state: cute.Tensor, flags: Int32, tidx: Int32, seq: Int32, hv: Int32,
-                v_slice: Int32, bos: Int32, eos: Int32, num_chunks: Int32):
-        """The MMA warps (threads 0..127): the serial walk over the chunks, from load_state to
-        store_state. Each architecture's subclass implements it with its MMAs."""
-        raise NotImplementedError
