@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from jax_kda import dispatch, kernel, xla_backend
+from jax_kda import dispatch, kernel, sharding
 from jax_kda.config import Operands, validate
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _xla_prefill(cfg, ops):
-    return xla_backend.prefill(cfg, ops)
 
 
 def prefill(
@@ -112,9 +105,17 @@ def prefill(
     )
     ops = Operands(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state)
     decision = dispatch.decide(cfg, backend)
-    if decision.kernels is None:
-        return _xla_prefill(cfg, ops)
-    return kernel.prefill(ops, cfg, decision.plan, decision.kernels)
+    explicit = sharding.explicit_split(cfg, q)
+    if explicit is None:
+        return kernel.prefill(ops, cfg, decision.kernels, decision.num_sms)
+    # Shardings in the types (jax.set_mesh, Explicit axes): one local call per device, by shard_map.
+    leaves, tree = jax.tree.flatten(ops)
+
+    def local(local_cfg, *xs):
+        return kernel.bind(xs, tree, local_cfg, decision.kernels, decision.num_sms)
+
+    out = sharding.explicit_shard_map(local, cfg, kernel.fields_of(ops), leaves, *explicit)
+    return out[0], (out[1] if cfg.output_final_state else None)
 
 
 def explain(q, k, v, g, beta, *, device=None, **kwargs) -> dispatch.Decision:

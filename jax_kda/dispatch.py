@@ -53,6 +53,7 @@ class Decision:
     device: str | None = None
     plan: planner.RecurrencePlan | None = None  # the kernels' plan, when the call lowers to them on CUDA
     kernels: Kernels | None = None  # the custom call's request; None: the XLA path on every platform
+    num_sms: int = planner.DEFAULT_NUM_SMS  # the SM count the plan is sized for
 
     def __str__(self) -> str:
         head = f"backend={self.backend!r} (requested {self.requested!r}"
@@ -136,10 +137,15 @@ def device_backend(device: Device | None) -> str | None:
     return None
 
 
+def num_sms_of(device: Device | None) -> int:
+    """The SM count the kernels' plan is sized for: `device`'s, planner.DEFAULT_NUM_SMS off a GPU."""
+    return device.core_count if device is not None and device.platform == "gpu" else planner.DEFAULT_NUM_SMS
+
+
 def plan_for(cfg: PrefillConfig, device: Device | None) -> planner.RecurrencePlan:
-    """The kernel plan for `cfg`, sized for `device`'s SMs (planner.DEFAULT_NUM_SMS off a GPU)."""
-    num_sms = device.core_count if device is not None and device.platform == "gpu" else planner.DEFAULT_NUM_SMS
-    return planner.plan_prefill(cfg, num_sms=num_sms)
+    """The kernel plan for `cfg` on `device` (the whole call; each device's shard is planned for its
+    own shapes when the call is partitioned)."""
+    return planner.plan_prefill(cfg, num_sms=num_sms_of(device))
 
 
 def decide(cfg: PrefillConfig, requested: str, device=None, *, strict: bool = True) -> Decision:
@@ -163,7 +169,7 @@ def decide(cfg: PrefillConfig, requested: str, device=None, *, strict: bool = Tr
             logger.debug("jax_kda.prefill: %s", decision)
             return decision
         backend = device_backend(device) or "xla"
-        return Decision(requested, backend, (), where, plan_for(cfg, device), Kernels.FOR_DEVICE)
+        return Decision(requested, backend, (), where, plan_for(cfg, device), Kernels.FOR_DEVICE, num_sms_of(device))
     kernels = contract.BACKEND_KERNELS[requested]
     if reasons:
         if strict:
@@ -173,5 +179,6 @@ def decide(cfg: PrefillConfig, requested: str, device=None, *, strict: bool = Tr
         needs = " or ".join(contract.compute_capabilities(kernels))
         reasons.append(f"{requested} runs on compute capability {needs}; on a {device} the kernels' custom call "
                        "fails at run time (lowered for another platform: an error when lowering)")
-        return Decision(requested, "unavailable", tuple(reasons), where, plan_for(cfg, device), kernels)
-    return Decision(requested, requested, (), where, plan_for(cfg, device), kernels)
+        return Decision(requested, "unavailable", tuple(reasons), where, plan_for(cfg, device), kernels,
+                        num_sms_of(device))
+    return Decision(requested, requested, (), where, plan_for(cfg, device), kernels, num_sms_of(device))

@@ -1,9 +1,12 @@
-"""The kernel backend in one place: the prefill primitive, its lowering per platform, the segmented
-pair of calls, batching and differentiation.
+"""The prefill primitive in one place: its lowering per platform, the segmented pair of kernel
+calls, partitioning over devices, batching and differentiation.
 
 `prefill_p` is bound with the call's `Operands` (flattened; absent optional arrays are simply not
-there), the validated `PrefillConfig`, the planner's `RecurrencePlan` and the `contract.Kernels`
-request as static parameters. Its results are o and, with `output_final_state`, the final state.
+there), the validated `PrefillConfig`, the `contract.Kernels` request (None: the XLA path on every
+platform), the SM count the kernels' plan is sized for and an optional forced segment count, as
+static parameters. Its results are o and, with `output_final_state`, the final state. Every backend
+goes through it, so they all partition the same way: the lowering wraps the local computation in
+`sharding.partitioned` (over batch and heads, the plan made for the per-device shapes).
 
 Lowering, decided per platform when the program is lowered, not when it is traced:
   * CUDA: the custom call `contract.FFI_TARGET` (XLA FFI, typed attributes that carry the flags,
@@ -32,20 +35,23 @@ When an initial state is given and the final state requested, an unsegmented cal
 
 Differentiation: the forward is the kernel; tangents and cotangents are the XLA path's
 (`_jvp`: `jax.jvp` of `xla_backend.prefill`, which recomputes its forward). A backward kernel
-would replace `_jvp` alone.
+would replace `_jvp` alone. vmap: the XLA path batches natively, the kernels run one call per
+element.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch as jax_dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_kda import contract, xla_backend
+from jax_kda import contract, planner, sharding, xla_backend
 from jax_kda.config import Operands, PrefillConfig
 from jax_kda.contract import Kernels, Phase
 from jax_kda.planner import RecurrencePlan
@@ -59,12 +65,28 @@ _INITIAL_STATE, _WORKSPACE_IN = _CALL_OPERANDS.index("initial_state"), _CALL_OPE
 _FINAL_STATE, _WORKSPACE_OUT = 1, 2
 
 
-def prefill(ops: Operands, cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels):
-    """The kernels' prefill of `ops` (CUDA; the XLA path elsewhere for FOR_DEVICE). Returns
+def prefill(ops: Operands, cfg: PrefillConfig, kernels: Kernels | None, num_sms: int = planner.DEFAULT_NUM_SMS,
+            num_segments: int | None = None):
+    """The prefill of `ops` through the primitive. `kernels`: the kernels' request (lowered for CUDA;
+    the XLA path elsewhere for FOR_DEVICE), or None for the XLA path on every platform. `num_sms`
+    sizes the kernels' plan; `num_segments` overrides its segments (tests). Returns
     (o, final_state or None)."""
     leaves, tree = jax.tree.flatten(ops)
-    out = prefill_p.bind(*leaves, tree=tree, cfg=cfg, plan=plan, kernels=Kernels(kernels))
+    out = bind(leaves, tree, cfg, kernels, num_sms, num_segments)
     return out[0], (out[1] if cfg.output_final_state else None)
+
+
+def fields_of(ops: Operands) -> tuple[str, ...]:
+    """The names of the arrays present in `ops`, in the order of its leaves."""
+    return tuple(f.name for f in dataclasses.fields(ops) if getattr(ops, f.name) is not None)
+
+
+def bind(leaves, tree, cfg, kernels, num_sms, num_segments=None):
+    """prefill_p on the flattened operands; returns the list of results."""
+    fields = fields_of(jax.tree.unflatten(tree, [0] * len(leaves)))
+    return prefill_p.bind(*leaves, tree=tree, fields=fields, cfg=cfg,
+                          kernels=None if kernels is None else Kernels(kernels), num_sms=num_sms,
+                          num_segments=num_segments)
 
 
 # --- The custom calls ---------------------------------------------------------------------------------
@@ -176,7 +198,7 @@ def _xla_calls(*leaves, tree, cfg: PrefillConfig):
 # --- The primitive's rules -------------------------------------------------------------------------------
 
 
-def _abstract_eval(*avals, tree, cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels):
+def _abstract_eval(*avals, tree, fields, cfg: PrefillConfig, kernels, num_sms, num_segments):
     ops = jax.tree.unflatten(tree, avals)
     expected = {"q": (cfg.batch, cfg.seqlen, cfg.num_qk_heads, cfg.head_k),
                 "v": (cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v)}
@@ -190,33 +212,45 @@ def _abstract_eval(*avals, tree, cfg: PrefillConfig, plan: RecurrencePlan, kerne
     return [o, jax.core.ShapedArray(cfg.state_shape, jnp.float32)]
 
 
-def _cuda_lowering(ctx, *leaves, tree, cfg, plan, kernels):
-    calls = functools.partial(_kernel_calls, tree=tree, cfg=cfg, plan=plan, kernels=kernels)
-    return mlir.lower_fun(calls, multiple_results=True)(ctx, *leaves)
-
-
-def _portable_lowering(ctx, *leaves, tree, cfg, plan, kernels):
-    if kernels != Kernels.FOR_DEVICE:
+def _lowering(ctx, *leaves, tree, fields, cfg, kernels, num_sms, num_segments, cuda: bool):
+    """The local computation for the lowering's platform, partitioned over batch and heads
+    (jax_kda/sharding.py; inlined on one device)."""
+    if kernels is not None and kernels != Kernels.FOR_DEVICE and not cuda:
         backend = {v: k for k, v in contract.BACKEND_KERNELS.items()}.get(kernels, kernels.name)
         raise ValueError(
             f"backend={backend!r} runs only on CUDA GPUs, but this computation is being lowered for "
             f"{', '.join(ctx.module_context.platforms)}; use backend='auto' (the kernels on CUDA, the XLA path "
             "elsewhere) or backend='xla'")
-    return mlir.lower_fun(functools.partial(_xla_calls, tree=tree, cfg=cfg), multiple_results=True)(ctx, *leaves)
+    if kernels is not None and cuda:
+        def local(local_cfg, *xs):
+            plan = planner.plan_prefill(local_cfg, num_sms=num_sms, num_segments=num_segments)
+            return _kernel_calls(*xs, tree=tree, cfg=local_cfg, plan=plan, kernels=kernels)
+    else:
+        def local(local_cfg, *xs):
+            return _xla_calls(*xs, tree=tree, cfg=local_cfg)
+    if sharding.can_partition(ctx.module_context.axis_context):
+        call = sharding.partitioned(local, cfg, fields, tuple(len(a.shape) for a in ctx.avals_in))
+    else:
+        call = functools.partial(local, cfg)
+    return mlir.lower_fun(lambda *xs: list(call(*xs)), multiple_results=True)(ctx, *leaves)
 
 
-def _batch(args, dims, *, tree, cfg, plan, kernels):
-    """vmap: one call per batch element (correct for dense and packed calls alike)."""
+def _batch(args, dims, *, tree, fields, cfg, kernels, num_sms, num_segments):
+    """vmap: the XLA path batches natively; the kernels run one call per batch element."""
+    if kernels is None:
+        out = jax.vmap(functools.partial(_xla_calls, tree=tree, cfg=cfg), in_axes=tuple(dims))(*args)
+        return out, [0] * len(out)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
     moved = [jnp.broadcast_to(a, (size,) + a.shape) if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
              for a, d in zip(args, dims)]
-    results = jax.lax.map(lambda xs: prefill_p.bind(*xs, tree=tree, cfg=cfg, plan=plan, kernels=kernels), moved)
+    params = dict(tree=tree, fields=fields, cfg=cfg, kernels=kernels, num_sms=num_sms, num_segments=num_segments)
+    results = jax.lax.map(lambda xs: prefill_p.bind(*xs, **params), moved)
     return results, [0] * len(results)
 
 
-def _jvp(primals, tangents, *, tree, cfg, plan, kernels):
-    """The kernel's results, with the XLA path's tangents (recomputed from the same inputs)."""
-    out = prefill_p.bind(*primals, tree=tree, cfg=cfg, plan=plan, kernels=kernels)
+def _jvp(primals, tangents, *, tree, fields, cfg, kernels, num_sms, num_segments):
+    """The kernels' results with the XLA path's tangents (recomputed from the same inputs); for the
+    XLA path, its own results and tangents."""
     differentiable = [i for i, x in enumerate(primals) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
 
     def xla_path(*floats):
@@ -225,20 +259,28 @@ def _jvp(primals, tangents, *, tree, cfg, plan, kernels):
             leaves[i] = x
         return _xla_calls(*leaves, tree=tree, cfg=cfg)
 
-    _, tangents_out = jax.jvp(xla_path, [primals[i] for i in differentiable],
-                              [ad.instantiate_zeros(tangents[i]) for i in differentiable])
+    out, tangents_out = jax.jvp(xla_path, [primals[i] for i in differentiable],
+                                [ad.instantiate_zeros(tangents[i]) for i in differentiable])
+    if kernels is not None:
+        out = prefill_p.bind(*primals, tree=tree, fields=fields, cfg=cfg, kernels=kernels, num_sms=num_sms,
+                             num_segments=num_segments)
     return out, list(tangents_out)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_bind(tree, cfg, plan, kernels):
+def _compiled_bind(**params):
     """One jitted bind per static configuration, so eager calls compile once, not every call."""
-    return jax.jit(functools.partial(prefill_p.bind, tree=tree, cfg=cfg, plan=plan, kernels=kernels))
+    return jax.jit(functools.partial(prefill_p.bind, **params))
 
 
 prefill_p.def_impl(lambda *leaves, **params: _compiled_bind(**params)(*leaves))
 prefill_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(prefill_p, _portable_lowering)
-mlir.register_lowering(prefill_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(prefill_p, functools.partial(_lowering, cuda=False))
+mlir.register_lowering(prefill_p, functools.partial(_lowering, cuda=True), platform="cuda")
 batching.primitive_batchers[prefill_p] = _batch
 ad.primitive_jvps[prefill_p] = _jvp
+# The lowering partitions the call with custom_partitioning, which needs the program's concrete
+# devices: jax passes them to the lowering only for primitives in this set (custom_partitioning's
+# own primitive is there too). A jit holding a prefill then lowers with its devices, so it cannot
+# be lowered on an AbstractMesh alone (jax.export of a shard_map over a concrete mesh is fine).
+jax_dispatch.prim_requires_devices_during_lowering.add(prefill_p)

@@ -254,7 +254,7 @@ def prefill_with_kernels(kernels, q, k, v, g, beta, *, num_segments: int | None 
     `contract.Kernels`), bypassing backend dispatch: testing only, e.g.
     `Kernels.MMA_SYNC_ON_SM90` (the Blackwell kernels built for sm_90a) on a Hopper GPU.
     `num_segments` overrides the planner's intracard context parallelism (None: its choice)."""
-    from jax_kda import _native, kernel, planner
+    from jax_kda import _native, dispatch, kernel
     from jax_kda.config import Operands, validate
 
     # Backend dispatch is what normally loads the extension and registers its target; do it here
@@ -263,7 +263,7 @@ def prefill_with_kernels(kernels, q, k, v, g, beta, *, num_segments: int | None 
     if kwargs.get("cu_seqlens") is not None:
         kwargs["cu_seqlens"] = jnp.asarray(kwargs["cu_seqlens"])
     cfg = validate(q, k, v, g, beta, **kwargs)
-    plan = planner.plan_prefill(cfg, num_segments=num_segments)
     ops = Operands(q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("cu_seqlens"),
                    kwargs.get("initial_state"))
-    return kernel.prefill(ops, cfg, plan, kernels)
+    num_sms = dispatch.num_sms_of(dispatch.default_device())
+    return kernel.prefill(ops, cfg, kernels, num_sms, num_segments=num_segments)

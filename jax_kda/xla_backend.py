@@ -45,6 +45,18 @@ CHUNK_SIZE = 64
 _HIGHEST = lax.Precision.HIGHEST
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes (jax.shard_map) that x varies over; empty outside shard_map."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def _varying_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
+    """x, marked as varying over every manual mesh axis any of `refs` varies over (shard_map)."""
+    missing = tuple(sorted(frozenset().union(*map(varying_axes, refs)) - varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *operands, precision=_HIGHEST)
 
@@ -184,6 +196,8 @@ def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
         state0 = initial_state.astype(compute)
         if cfg.state_v_first:
             state0 = jnp.swapaxes(state0, -1, -2)
+    # Inside jax.shard_map the scan's carry must vary over the same mesh axes as what updates it.
+    state0 = _varying_like(state0, q, k, v, g, beta)
 
     if cfg.varlen:
         o, final = _prefill_packed(cfg, q, k, v, g, beta, state0, cu_seqlens, chunk_size)

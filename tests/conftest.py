@@ -1,11 +1,14 @@
-"""Shared pytest fixtures: fresh random seeds, and the `gpu` marker's skip on machines without one."""
+"""Shared pytest fixtures: fresh random seeds, the `gpu` marker's skip on machines without one, and
+8 fake CPU devices for the sharding tests (set before jax starts; the default device stays the first)."""
 
 from __future__ import annotations
 
 import os
 
-import jax
-import pytest
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.fixture

@@ -1,0 +1,192 @@
+"""How a prefill partitions over devices: over the batch (dense B, and N with it) and over heads (H
+and HV together, so each value head stays with its q/k head), one local call per device on its
+shard, with no collective. T and the head dims K, V are never split (the recurrence needs whole
+sequences and whole heads): a packed batch (`cu_seqlens`, B == 1) partitions over heads only, with
+`cu_seqlens` replicated.
+
+Three ways in, one rule (`specs`, `local_config`):
+  * `jax.jit` with sharded inputs (auto mesh axes): the primitive's lowering wraps its local
+    computation in `custom_partitioning` (`partitioned`), whose partition callback reads the
+    operands' shardings, keeps the batch and head axes, replicates T, K and V, and lowers the local
+    computation on the per-device shapes. The kernels' plan is made there, for the local shapes.
+    Both partitioners are served: Shardy (the sharding rule) and GSPMD (the callbacks).
+  * explicit sharding (`jax.set_mesh`, shardings in the types): `explicit_shard_map` builds a
+    `jax.shard_map` from the inputs' shardings at trace time.
+  * inside a user's `jax.shard_map`: the op sees local shapes and runs as is.
+
+`custom_partitioning` cannot be serialized by `jax.export` (host callbacks) when the program has
+several devices; the shard_map forms export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.experimental.custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_kda.config import PrefillConfig
+
+logger = logging.getLogger("jax_kda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The mesh axes a call is split over: `batch` (dense B) and `heads` (H with HV); None for none."""
+
+    batch: str | tuple[str, ...] | None = None
+    heads: str | tuple[str, ...] | None = None
+
+
+def _axis_size(mesh, axis) -> int:
+    if axis is None:
+        return 1
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def specs(cfg: PrefillConfig, fields: tuple[str, ...], ranks: tuple[int, ...], split: Split) -> tuple[list, list]:
+    """(PartitionSpecs of the operands named `fields`, of rank `ranks`; of the results) for `split`."""
+    b, h = (None if cfg.varlen else split.batch), split.heads
+    state = P(b, h, None, None)
+    by_field = {"q": P(b, None, h, None), "k": P(b, None, h, None), "v": P(b, None, h, None),
+                "g": P(b, None, h, None), "beta": P(b, None, h), "A_log": P(h), "cu_seqlens": P(None),
+                "initial_state": state}
+    operands = [(P(h, None) if r == 2 else P(h)) if f == "dt_bias" else by_field[f] for f, r in zip(fields, ranks)]
+    results = [P(b, None, h, None)] + ([state] if cfg.output_final_state else [])
+    return operands, results
+
+
+def local_config(cfg: PrefillConfig, batch_shards: int, head_shards: int) -> PrefillConfig:
+    """The config of one device's shard."""
+    batch = cfg.batch if cfg.varlen else cfg.batch // batch_shards
+    return dataclasses.replace(
+        cfg, batch=batch, num_seqs=cfg.num_seqs if cfg.varlen else batch,
+        num_qk_heads=cfg.num_qk_heads // head_shards, num_v_heads=cfg.num_v_heads // head_shards)
+
+
+def choose_split(cfg: PrefillConfig, mesh, q_spec) -> Split:
+    """The batch and head axes of q's sharding that the call can be split over; every other axis
+    of it (T, K) is dropped, with the reason logged: those dims are gathered."""
+    spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
+    batch, heads = spec[0], spec[2]
+    dropped = [f"{name} over {axis!r}" for name, axis in (("T", spec[1]), ("K", spec[3])) if axis is not None]
+    if batch is not None and (cfg.varlen or cfg.batch % _axis_size(mesh, batch)):
+        dropped.append(f"B over {batch!r} ({'packed sequences' if cfg.varlen else f'B={cfg.batch}'})")
+        batch = None
+    if heads is not None and (cfg.num_qk_heads % _axis_size(mesh, heads) or cfg.num_v_heads % _axis_size(mesh, heads)):
+        dropped.append(f"heads over {heads!r} (H={cfg.num_qk_heads}, HV={cfg.num_v_heads})")
+        heads = None
+    if dropped:
+        logger.warning("jax_kda.prefill: cannot split %s: those inputs are gathered (the call needs whole "
+                       "sequences and whole heads; batch and head splits must divide B and H)", ", ".join(dropped))
+    return Split(batch, heads)
+
+
+def sharding_rule(cfg: PrefillConfig, fields: tuple[str, ...], ranks: tuple[int, ...]):
+    """The Shardy sharding rule of the call (einsum-like factors), its factor sizes and the factors
+    that must stay whole: T, K, V, the cu_seqlens offsets and a packed batch's sequences."""
+    hv = "(h g)" if cfg.group_size > 1 else "h"
+    hvk = "(h g k)" if cfg.group_size > 1 else "(h k)"
+    state_batch = "n" if cfg.varlen else "b"
+    state = f"{state_batch} {hv} {'v k' if cfg.state_v_first else 'k v'}"
+    by_field = {"q": "b t h k", "k": "b t h k", "v": f"b t {hv} v", "g": f"b t {hv} k", "beta": f"b t {hv}",
+                "A_log": hv, "cu_seqlens": "c", "initial_state": state}
+    operands = [(f"{hv} k" if r == 2 else hvk) if f == "dt_bias" else by_field[f] for f, r in zip(fields, ranks)]
+    results = [f"b t {hv} v"] + ([state] if cfg.output_final_state else [])
+    sizes = {"g": cfg.group_size} if cfg.group_size > 1 else {}
+    rule = ", ".join(operands) + " -> " + ", ".join(results)
+    replicated = ["t", "k", "v"] + (["c"] if "cu_seqlens" in fields else [])
+    if cfg.varlen and ("initial_state" in fields or cfg.output_final_state):
+        replicated.append("n")
+        if "initial_state" not in fields:
+            sizes["n"] = cfg.num_seqs
+    return rule, sizes, tuple(replicated)
+
+
+def can_partition(axis_context) -> bool:
+    """Whether a lowering with `axis_context` may be partitioned by custom_partitioning: a program
+    over several concrete devices, not fully inside a shard_map. Without concrete devices (lowering
+    for another platform, jax.export) custom_partitioning cannot run, so a program with several
+    devices there is left to XLA (gathered), with a warning that says to use shard_map."""
+    from jax._src import sharding_impls
+
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        return set(axis_context.manual_axes) != set(axis_context.mesh.axis_names)
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        if axis_context.device_assignment is None:
+            if axis_context.num_devices > 1:
+                logger.warning("jax_kda.prefill: lowered for %d devices without concrete devices (e.g. "
+                               "jax.export): the call is not partitioned, its sharded inputs are gathered; "
+                               "use jax.shard_map (or explicit sharding) for a sharded program that exports",
+                               axis_context.num_devices)
+            return False
+        return len(axis_context.device_assignment) > 1
+    return False
+
+
+def partitioned(local_body, cfg: PrefillConfig, fields: tuple[str, ...], ranks: tuple[int, ...]):
+    """`local_body(local_cfg, *leaves) -> list of results` as a custom_partitioning function of the
+    leaves, split per `choose_split` (inlined by jax when the program has one device)."""
+
+    @jax.experimental.custom_partitioning.custom_partitioning
+    def call(*leaves):
+        return tuple(local_body(cfg, *leaves))
+
+    def split_of(mesh, arg_shapes) -> Split:
+        q_sharding = arg_shapes[0].sharding
+        return choose_split(cfg, mesh, q_sharding.spec if isinstance(q_sharding, NamedSharding) else P())
+
+    def shardings(mesh, split):
+        operands, results = specs(cfg, fields, ranks, split)
+        return tuple(NamedSharding(mesh, s) for s in operands), tuple(NamedSharding(mesh, s) for s in results)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return shardings(mesh, split_of(mesh, arg_shapes))[1]
+
+    def partition(mesh, arg_shapes, result_shape):
+        split = split_of(mesh, arg_shapes)
+        arg_shardings, result_shardings = shardings(mesh, split)
+        local = local_config(cfg, _axis_size(mesh, split.batch), _axis_size(mesh, split.heads))
+        return mesh, lambda *leaves: tuple(local_body(local, *leaves)), result_shardings, arg_shardings
+
+    rule, sizes, replicated = sharding_rule(cfg, fields, ranks)
+    call.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                       need_replication_factors=replicated, **sizes)
+    return call
+
+
+def explicit_split(cfg: PrefillConfig, q) -> tuple[object, Split] | None:
+    """(mesh, split) when q's type carries an explicit sharding (jax.set_mesh with Explicit axes),
+    else None. Raises ValueError for an explicit split of T or K/V, which the call cannot honour."""
+    sharding = getattr(jax.typeof(q), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()) or not any(tuple(sharding.spec)):
+        return None
+    explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == jax.sharding.AxisType.Explicit}
+    spec = tuple(sharding.spec) + (None,) * (4 - len(tuple(sharding.spec)))
+    used = {a for axis in spec if axis is not None for a in (axis if isinstance(axis, tuple) else (axis,))}
+    if not used & explicit:
+        return None
+    if spec[1] is not None or spec[3] is not None:
+        raise ValueError(f"jax_kda.prefill cannot split T or K across devices (q is sharded {sharding.spec}): "
+                         "shard the batch and head axes only (context parallelism across devices is not "
+                         "supported yet); reshard q, k, v, g and beta first")
+    if cfg.varlen and spec[0] is not None:
+        raise ValueError(f"packed sequences (cu_seqlens) cannot be split over the batch axis (q is sharded "
+                         f"{sharding.spec}); split them over heads, or pack one batch per device")
+    return mesh, Split(spec[0], spec[2])
+
+
+def explicit_shard_map(local_call, cfg: PrefillConfig, fields, leaves, mesh, split: Split):
+    """`local_call(local_cfg, *leaves)` under a shard_map over `mesh` that `split` describes."""
+    ranks = tuple(len(leaf.shape) for leaf in leaves)
+    in_specs, out_specs = specs(cfg, fields, ranks, split)
+    local = local_config(cfg, _axis_size(mesh, split.batch), _axis_size(mesh, split.heads))
+    body = functools.partial(local_call, local)
+    return jax.shard_map(lambda *xs: tuple(body(*xs)), mesh=mesh, in_specs=tuple(in_specs),
+                         out_specs=tuple(out_specs))(*leaves)

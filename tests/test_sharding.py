@@ -1,0 +1,219 @@
+"""Partitioning over devices on 4 and 8 fake CPU devices (tests/conftest.py): batch and head
+sharding under jax.jit with NamedSharding (custom_partitioning), in explicit sharding mode and
+inside jax.shard_map (check_vma on); results equal to the unsharded call; no collective in the
+compiled program; the kernels' plan made for each device's shapes.
+
+The kernel-eligible cases (K = V = 128, bf16) go through the kernel primitive, which lowers to the
+XLA path on CPU: the same partitioning code the GPUs run, around a different local computation.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_kda
+from jax_kda import _native, gold
+from jax_kda.testing import Workload, make_inputs
+
+COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+W = Workload
+KDA = dict(head_k=128, head_v=128)  # the kernels' shapes: the kernel primitive (XLA path on CPU)
+
+needs_devices = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU devices (tests/conftest.py)")
+pytestmark = needs_devices
+
+
+def _mesh(shape, names, kind=AxisType.Auto, count=None):
+    devices = np.array(jax.devices("cpu")[: count or int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names, axis_types=(kind,) * len(names))
+
+
+def _split(kwargs):
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    return arrays, {k: v for k, v in kwargs.items() if k not in arrays}
+
+
+def _specs(w: Workload, batch, heads):
+    """PartitionSpecs of (q, k, v, g, beta) and of the keyword arrays for a batch/head split."""
+    b = None if w.seqlens is not None else batch
+    token = P(b, None, heads, None)
+    keyword = {"initial_state": P(b, heads), "A_log": P(heads), "dt_bias": P(heads), "cu_seqlens": P()}
+    return [token] * 4 + [P(b, None, heads)], keyword
+
+
+def _assert_close(got, want):
+    """Equal up to float rounding: on CPU the XLA path's fp32 reductions are fused and ordered by
+    XLA per shape, so a shard's sums can round differently from the whole call's (err_ratio ~1e-5,
+    a few bf16 flips of o; the kernels compute every (sequence, head) the same way in both)."""
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+            continue
+        err = gold.err_ratio(np.asarray(jnp.asarray(a, jnp.float32), np.float64),
+                             np.asarray(jnp.asarray(b, jnp.float32), np.float64))
+        assert err <= 1e-4, err
+
+
+CASES = [
+    # (workload, backend, mesh shape, mesh axes, batch axis, head axis)
+    (W("batch_sharded", batch=4, seqlen=40, heads=2, **KDA), "auto", (4,), ("data",), "data", None),
+    (W("head_sharded", batch=1, seqlen=40, heads=8, **KDA), "auto", (4,), ("model",), None, "model"),
+    (W("both_2d", batch=2, seqlen=33, heads=4, **KDA), "auto", (2, 4), ("data", "model"), "data", "model"),
+    (W("packed_head_sharded", seqlens=(10, 0, 30, 17), heads=4, **KDA), "auto", (4,), ("model",), None, "model"),
+    (W("gqa_head_sharded", batch=2, seqlen=40, heads=4, v_heads=8, **KDA), "auto", (2, 4), ("data", "model"),
+     "data", "model"),
+    (W("no_initial_state", batch=4, seqlen=40, heads=4, initial_state=False, **KDA), "auto", (2, 4),
+     ("data", "model"), "data", "model"),
+    (W("xla_both_2d", batch=2, seqlen=40, heads=4, v_heads=8, head_k=32, head_v=16), "xla", (2, 4),
+     ("data", "model"), "data", "model"),
+    (W("xla_packed_v_first", seqlens=(5, 30, 0), heads=8, state_v_first=True), "xla", (8,), ("model",),
+     None, "model"),
+]
+
+
+@pytest.mark.parametrize("w,backend,shape,names,batch,heads", CASES, ids=lambda c: getattr(c, "name", None))
+def test_jit_with_named_shardings_runs_one_local_call_per_device(w, backend, shape, names, batch, heads, fresh_seed):
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    f = jax.jit(lambda a, kw: jax_kda.prefill(*a, **kw, **static, backend=backend))
+    want = f(args, arrays)
+    mesh = _mesh(shape, names)
+    arg_specs, kw_specs = _specs(w, batch, heads)
+    sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, arg_specs)]
+    kw = {k: jax.device_put(v, NamedSharding(mesh, kw_specs[k])) for k, v in arrays.items()}
+    got = f(sharded, kw)
+    _assert_close(got, want)
+    assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, arg_specs[2]), 4), got[0].sharding
+    compiled = f.lower(sharded, kw).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in compiled], [c for c in COLLECTIVES if c in compiled]
+    # Each device computes its own shard: the compiled program holds q's local shape.
+    local = [d // mesh.shape[a] if a else d for d, a in zip(args[0].shape, arg_specs[0])]
+    dtype = {"bfloat16": "bf16", "float32": "f32"}[w.dtype]
+    assert f"{dtype}[{','.join(map(str, local))}]" in compiled
+
+
+@pytest.mark.parametrize("backend,dims", [("auto", KDA), ("xla", dict(head_k=32, head_v=32))])
+@pytest.mark.parametrize("initial_state", [True, False])
+def test_shard_map_with_check_vma_on_every_backend(backend, dims, initial_state, fresh_seed):
+    w = W("shard_map", batch=4, seqlen=40, heads=4, initial_state=initial_state, **dims)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    mesh = _mesh((2, 2), ("data", "model"), count=4)
+    arg_specs, kw_specs = _specs(w, "data", "model")
+    out_specs = (arg_specs[2], kw_specs["initial_state"])
+    run = jax.shard_map(lambda a, kw: jax_kda.prefill(*a, **kw, **static, backend=backend), mesh=mesh,
+                        in_specs=(tuple(arg_specs), {k: kw_specs[k] for k in arrays}), out_specs=out_specs)
+    got = jax.jit(run)(args, arrays)
+    want = jax_kda.prefill(*args, **arrays, **static, backend=backend)
+    _assert_close(got, want)
+
+
+@pytest.mark.skipif(_native.unavailable_reason() is not None, reason="kernels not built")
+def test_shard_map_lowered_for_cuda_plans_for_the_local_heads():
+    """96 heads x 8K tokens at 8-way tensor parallelism: each device's kernel call is the 12-head call,
+    with the 12-head plan (8 segments: intracard context parallelism), not the 96-head one."""
+    S = jax.ShapeDtypeStruct
+    x, beta = S((1, 8192, 96, 128), jnp.bfloat16), S((1, 8192, 96), jnp.bfloat16)
+    local = jax_kda.explain(S((1, 8192, 12, 128), jnp.bfloat16), *[S((1, 8192, 12, 128), jnp.bfloat16)] * 3,
+                            S((1, 8192, 12), jnp.bfloat16), device="9.0")
+    whole = jax_kda.explain(x, x, x, x, beta, device="9.0")
+    assert local.plan.num_segments > 1 and whole.plan.num_segments == 1
+    mesh = jax.sharding.AbstractMesh((8,), ("model",), axis_types=(AxisType.Auto,))
+    spec = P(None, None, "model", None)
+    run = jax.shard_map(lambda *a: jax_kda.prefill(*a), mesh=mesh, in_specs=(spec,) * 4 + (P(None, None, "model"),),
+                        out_specs=(spec, P()))
+    text = jax.jit(run).trace(x, x, x, x, beta).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_kda_prefill" in line]
+    assert len(calls) == 2  # the summary and apply calls of the 12-head plan
+    assert all(f"num_segments = {local.plan.num_segments} : i32" in c for c in calls)
+    assert "tensor<1x8192x12x128xbf16>" in calls[1]
+
+
+def test_explicit_sharding_mode_splits_batch_and_heads(fresh_seed):
+    w = W("explicit", batch=2, seqlen=40, heads=4, **KDA)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    want = jax_kda.prefill(*args, **arrays, **static)
+    mesh = _mesh((2, 4), ("data", "model"), kind=AxisType.Explicit)
+    arg_specs, kw_specs = _specs(w, "data", "model")
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, arg_specs)]
+        kw = {k: jax.device_put(v, NamedSharding(mesh, kw_specs[k])) for k, v in arrays.items()}
+        f = jax.jit(lambda a, kw: jax_kda.prefill(*a, **kw, **static))
+        got = f(sharded, kw)
+        compiled = f.lower(sharded, kw).compile().as_text()
+    _assert_close(got, want)
+    assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, arg_specs[2]), 4), got[0].sharding
+    assert not [c for c in COLLECTIVES if c in compiled]
+
+
+def test_explicit_sharding_of_the_token_axis_is_an_error():
+    w = W("t_sharded", batch=1, seqlen=64, heads=2, **KDA)
+    args, kwargs = make_inputs(w, np.random.default_rng(0))
+    arrays, static = _split(kwargs)
+    mesh = _mesh((4,), ("seq",), kind=AxisType.Explicit, count=4)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        sharded = [jax.device_put(x, NamedSharding(mesh, P(None, "seq"))) for x in args]
+        with pytest.raises(ValueError, match=r"cannot split T or K across devices"):
+            jax.jit(lambda a: jax_kda.prefill(*a, **arrays, **static))(sharded)
+
+
+def test_a_token_sharded_input_is_gathered_with_the_reason_logged(fresh_seed, caplog):
+    """Under jit with a T sharding the call cannot honour, the partition callback keeps the batch
+    split, gathers T and logs why; the result is still right."""
+    w = W("t_auto", batch=2, seqlen=64, heads=4, **KDA)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    want = jax_kda.prefill(*args, **arrays, **static)
+    mesh = _mesh((2, 4), ("data", "seq"))
+    sharded = [jax.device_put(x, NamedSharding(mesh, P("data", "seq"))) for x in args]
+    with caplog.at_level(logging.WARNING, logger="jax_kda"):
+        got = jax.jit(lambda a, kw: jax_kda.prefill(*a, **kw, **static))(sharded, arrays)
+    _assert_close(got, want)
+    assert "cannot split T over 'seq': those inputs are gathered" in caplog.text
+
+
+def test_shard_map_form_exports_for_cuda():
+    """The sharded form that exports: a shard_map over heads, exported for CUDA from this CPU host
+    and serialized."""
+    S = jax.ShapeDtypeStruct
+    x, beta = S((1, 512, 8, 128), jnp.bfloat16), S((1, 512, 8), jnp.bfloat16)
+    mesh = _mesh((4,), ("model",), count=4)
+    spec = P(None, None, "model", None)
+    run = jax.shard_map(lambda *a: jax_kda.prefill(*a)[0], mesh=mesh, in_specs=(spec,) * 4 + (P(None, None, "model"),),
+                        out_specs=spec)
+    exported = jax.export.export(jax.jit(run), platforms=["cuda", "cpu"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("jax_kda_prefill")])(
+        x, x, x, x, beta)
+    assert len(exported.serialize()) > 0
+    text = exported.mlir_module()
+    if _native.unavailable_reason() is None:
+        assert re.search(r"stablehlo.custom_call @jax_kda_prefill\(.*tensor<1x512x2x128xbf16>", text)
+
+
+def test_the_gspmd_partitioner_splits_the_same_way(fresh_seed):
+    """With GSPMD instead of Shardy, the callbacks (not the sharding rule) partition the call."""
+    from jax._src import config
+
+    w = W("gspmd", batch=2, seqlen=40, heads=4, v_heads=8, **KDA)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    want = jax_kda.prefill(*args, **arrays, **static)
+    mesh = _mesh((2, 4), ("data", "model"))
+    arg_specs, kw_specs = _specs(w, "data", "model")
+    with config.use_shardy_partitioner(False):
+        sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, arg_specs)]
+        kw = {k: jax.device_put(v, NamedSharding(mesh, kw_specs[k])) for k, v in arrays.items()}
+        f = jax.jit(lambda a, kw: jax_kda.prefill(*a, **kw, **static))
+        got = f(sharded, kw)
+        compiled = f.lower(sharded, kw).compile().as_text()
+    _assert_close(got, want)
+    assert not [c for c in COLLECTIVES if c in compiled]
+    assert "bf16[1,40,1,128]" in compiled  # q's per-device shard
