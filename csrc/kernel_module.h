@@ -28,7 +28,7 @@
 namespace jax_kda {
 
 // The compiler target (e.g. "sm_90a") whose cubins run on a device of this compute capability, or
-// nullptr. "a" cubins are not forward-compatible: sm_100a runs on 10.0 only (contract::kArchs).
+// nullptr (contract::kArchs: sm_100f family cubins serve 10.0 and 10.3).
 const char* ArchForComputeCapability(int major, int minor);
 
 // "cudaErrorInvalidValue (invalid argument)".

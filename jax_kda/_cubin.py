@@ -11,6 +11,7 @@ import struct
 EM_CUDA = 190
 _EIFMT_NVAL, _EIFMT_BVAL, _EIFMT_HVAL, _EIFMT_SVAL = 0x01, 0x02, 0x03, 0x04
 _EIATTR_REGCOUNT = 0x2F
+_RENAMED_SMS = {101: 110}  # the ELF's SM number -> the compiler target's
 
 
 def _section_headers(elf: bytes, start: int = 0) -> list[tuple]:
@@ -45,15 +46,18 @@ def embedded_cubins(data: bytes) -> list[bytes]:
 
 
 def cubin_arch(cubin: bytes) -> str:
-    """`sm_90a`, `sm_100a`, ...: the architecture in e_flags, encoded per CUDA ELF ABI. Before sm_100
+    """`sm_90a`, `sm_100f`, ...: the architecture in e_flags, encoded per CUDA ELF ABI. Before sm_100
     (EI_OSABI 0x33) the SM is bits 0-7 and 0x800 marks an "a" (arch-specific) target; from sm_100
-    (EI_OSABI 0x41) the SM is bits 8-15 and 0x8 marks "a"."""
+    (EI_OSABI 0x41) the SM is bits 8-15, 0x8 marks "a" and 0x2 without 0x8 a family ("f") target
+    (read off cubins of sm_100a, sm_100f and sm_100 built by nvidia-cutlass-dsl 4.8.1). The SM of
+    sm_110f cubins reads 101, its number before CUDA 13 renamed it."""
     (flags,) = struct.unpack_from("<I", cubin, 48)
     if cubin[7] == 0x41:
-        sm, specific = (flags >> 8) & 0xFF, bool(flags & 0x8)
+        sm = _RENAMED_SMS.get((flags >> 8) & 0xFF, (flags >> 8) & 0xFF)
+        suffix = "a" if flags & 0x8 else "f" if flags & 0x2 else ""
     else:
-        sm, specific = flags & 0xFF, bool(flags & 0x800)
-    return f"sm_{sm}{'a' if specific else ''}"
+        sm, suffix = flags & 0xFF, "a" if flags & 0x800 else ""
+    return f"sm_{sm}{suffix}"
 
 
 def _section_names(cubin: bytes) -> list[tuple[str, tuple]]:

@@ -99,7 +99,7 @@ def kernel_objects() -> tuple[tuple[str, str], ...]:
 
 
 def compiled_archs() -> tuple[str, ...]:
-    """The GPU architectures the kernels were compiled for (e.g. ``("sm_90a", "sm_100a")``), in the
+    """The GPU architectures the kernels were compiled for (e.g. ``("sm_90a", "sm_100f", "sm_110f")``), in the
     order of the contract's architectures; empty when the kernels are unavailable."""
     built = {arch for _, arch in kernel_objects()}
     return tuple(arch.name for arch in contract.ARCHS if arch.name in built)

@@ -165,9 +165,15 @@ class Arch:
 
 
 SM90A = Arch("sm_90a", ((9, 0),))
-# An "a" cubin runs only on its exact compute capability: sm_100a on 10.0, not on 10.3 (B300).
-SM100A = Arch("sm_100a", ((10, 0),))
-ARCHS = (SM90A, SM100A)
+# Family cubins: sm_100f runs on every SM100-family device, 10.0 (B200) and 10.3 (B300); an sm_100a
+# cubin would run on 10.0 only. sm_110f serves 11.0 (Thor). The Blackwell kernels use no tcgen05, only
+# mma.sync, TMA and mbarriers, so the family targets lose nothing. Not built: sm_120f (12.x, RTX
+# Blackwell): it compiles, but those SMs have 100 KB of shared memory and prepare compiles to 152
+# registers there, so neither prepare's 4 CTAs per SM nor the recurrence's 2 fit, which is what the
+# kernels are built around; the XLA path serves them.
+SM100F = Arch("sm_100f", ((10, 0), (10, 3)))
+SM110F = Arch("sm_110f", ((11, 0),))
+ARCHS = (SM90A, SM100F, SM110F)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +188,8 @@ class KernelObject:
 
 KERNEL_OBJECTS = (
     KernelObject("prefill_wgmma_sm_90a", "sm90.prefill", Recurrence.WGMMA, SM90A),
-    KernelObject("prefill_mma_sync_sm_100a", "sm100.prefill", Recurrence.MMA_SYNC, SM100A),
+    KernelObject("prefill_mma_sync_sm_100f", "sm100.prefill", Recurrence.MMA_SYNC, SM100F),
+    KernelObject("prefill_mma_sync_sm_110f", "sm100.prefill", Recurrence.MMA_SYNC, SM110F),
     # The Blackwell kernels built for Hopper, so that a Hopper GPU can test them (not a user backend).
     KernelObject("prefill_mma_sync_sm_90a", "sm100.prefill", Recurrence.MMA_SYNC, SM90A),
 )
@@ -194,15 +201,16 @@ class Kernels(enum.IntEnum):
 
     FOR_DEVICE = 0  # backend="auto": the default object for the device's architecture
     SM90 = 1  # backend="sm90": wgmma on sm_90a; a device of another architecture is an error
-    SM100 = 2  # backend="sm100": mma.sync on sm_100a; likewise
+    SM100 = 2  # backend="sm100": mma.sync on the Blackwell families (10.0, 10.3, 11.0); likewise
     MMA_SYNC_ON_SM90 = 3  # testing: the Blackwell kernels built for sm_90a, on a Hopper GPU
 
 
 # What each request resolves to: {Kernels: {arch name: object name}}.
+_BLACKWELL = {"sm_100f": "prefill_mma_sync_sm_100f", "sm_110f": "prefill_mma_sync_sm_110f"}
 KERNEL_CHOICES = {
-    Kernels.FOR_DEVICE: {"sm_90a": "prefill_wgmma_sm_90a", "sm_100a": "prefill_mma_sync_sm_100a"},
+    Kernels.FOR_DEVICE: {"sm_90a": "prefill_wgmma_sm_90a", **_BLACKWELL},
     Kernels.SM90: {"sm_90a": "prefill_wgmma_sm_90a"},
-    Kernels.SM100: {"sm_100a": "prefill_mma_sync_sm_100a"},
+    Kernels.SM100: dict(_BLACKWELL),
     Kernels.MMA_SYNC_ON_SM90: {"sm_90a": "prefill_mma_sync_sm_90a"},
 }
 # The user-facing kernel backends.

@@ -32,16 +32,17 @@ def built(monkeypatch):
 def test_auto_on_a_cpu_host_binds_the_kernels_for_cuda(built):
     d = dispatch.decide(_cfg(), "auto", "cpu")
     assert d.kernels == Kernels.FOR_DEVICE and d.backend == "xla" and d.plan is not None
-    assert "lowered for CUDA: the kernels (sm90 on compute capability 9.0, sm100 on compute capability 10.0)" in str(d)
+    assert ("lowered for CUDA: the kernels (sm90 on compute capability 9.0, sm100 on compute capability "
+            "10.0 / 10.3 / 11.0)") in str(d)
 
 
-@pytest.mark.parametrize("cc,backend", [("9.0", "sm90"), ("10.0", "sm100")])
+@pytest.mark.parametrize("cc,backend", [("9.0", "sm90"), ("10.0", "sm100"), ("10.3", "sm100"), ("11.0", "sm100")])
 def test_auto_names_the_kernels_a_gpu_runs(built, cc, backend):
     d = dispatch.decide(_cfg(), "auto", cc)
     assert d.backend == backend and d.kernels == Kernels.FOR_DEVICE
 
 
-@pytest.mark.parametrize("cc", ["8.0", "8.9", "10.3", "12.0"])
+@pytest.mark.parametrize("cc", ["8.0", "8.9", "12.0", "12.1"])
 def test_auto_on_a_gpu_without_kernels_takes_the_xla_path_and_says_why(built, cc, caplog):
     with caplog.at_level(logging.DEBUG, logger="jax_kda"):
         d = dispatch.decide(_cfg(), "auto", cc)

@@ -31,7 +31,7 @@ def test_extension_is_built_against_ffi_api_0_4_with_every_kernel_object():
     assert _native.unavailable_reason() is None
     assert tuple(extension.ffi_api_version()) == (0, 4)
     assert _native.kernel_objects() == tuple((o.name, o.arch.name) for o in contract.KERNEL_OBJECTS)
-    assert _native.compiled_archs() == ("sm_90a", "sm_100a")
+    assert _native.compiled_archs() == ("sm_90a", "sm_100f", "sm_110f")
 
 
 @requires_extension
@@ -43,7 +43,8 @@ def test_running_jaxlib_accepts_the_extension_ffi_api():
 @requires_extension
 def test_extension_embeds_a_cubin_for_each_kernel_object():
     # One cubin per exported object, of the object's architecture: the wgmma prefill on sm_90a, the
-    # mma.sync prefill on sm_100a, and the same mma.sync kernels built for sm_90a (to test them there).
+    # mma.sync prefill as family cubins for sm_100f and sm_110f (the ELF flags say "f", not "a"), and
+    # the same mma.sync kernels built for sm_90a (to test them there).
     archs = [cubin_arch(c) for c in embedded_cubins(pathlib.Path(_native.load().__file__).read_bytes())]
     assert sorted(archs) == sorted(o.arch.name for o in contract.KERNEL_OBJECTS)
 
@@ -59,9 +60,11 @@ def test_every_kernel_has_a_text_digest_and_a_register_count():
 
 
 @requires_extension
-@pytest.mark.parametrize(("cc", "arch"), [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), None),
-                                          ((8, 0), None), ((12, 0), None)])
+@pytest.mark.parametrize(("cc", "arch"), [((9, 0), "sm_90a"), ((10, 0), "sm_100f"), ((10, 3), "sm_100f"),
+                                          ((11, 0), "sm_110f"), ((8, 0), None), ((12, 0), None), ((9, 1), None)])
 def test_extension_maps_compute_capabilities_like_the_contract(cc, arch):
+    """The SM100 family build serves 10.0 and 10.3 (B200, B300), the SM110 family 11.0; dispatch in
+    the built extension says so."""
     assert _native.load().arch_for_compute_capability(*cc) == arch
     named = [a.name for a in contract.ARCHS if cc in a.compute_capabilities]
     assert named == ([arch] if arch else [])

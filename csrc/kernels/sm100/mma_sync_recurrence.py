@@ -1,4 +1,4 @@
-"""KDA prefill, kernel 2 of 2 for Blackwell (sm_100a): the recurrence on warp-level MMAs (mma.sync).
+"""KDA prefill, kernel 2 of 2 for Blackwell (sm_100f, sm_110f): the recurrence on warp-level MMAs (mma.sync).
 
 Warpgroup MMA (wgmma) exists only on sm_90a, so this variant computes the same per-chunk
 recurrence as `sm90/wgmma_recurrence.py` with `mma.sync.m16n8k16` (bf16 operands, fp32
