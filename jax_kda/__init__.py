@@ -10,6 +10,7 @@ from jax_kda import _native
 from jax_kda.api import explain, prefill
 from jax_kda.config import STATIC_ARGNAMES, PrefillConfig
 from jax_kda.contract import GateMode
+from jax_kda.debug import debug_checks
 from jax_kda.planner import RecurrencePlan, plan_prefill
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "PrefillConfig",
     "RecurrencePlan",
     "STATIC_ARGNAMES",
+    "debug_checks",
     "explain",
     "plan_prefill",
     "prefill",

@@ -5,8 +5,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_kda import dispatch, kernel, sharding
+from jax_kda import debug, dispatch, kernel, sharding
 from jax_kda.config import Operands, validate
+
+
+def _as_array(x):
+    """x as prefill computes with it: jax arrays, tracers and ShapeDtypeStructs as they are, None as
+    None, anything else (lists, numpy arrays, scalars) through jnp.asarray."""
+    if x is None or isinstance(x, (jax.Array, jax.core.Tracer, jax.ShapeDtypeStruct)):
+        return x
+    return jnp.asarray(x)
 
 
 def prefill(
@@ -74,16 +82,21 @@ def prefill(
         platform other than CUDA raises.
 
     Returns:
-      `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state like initial_state in fp32,
-      or None unless `output_final_state`.
+      `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state like initial_state in fp32
+      (float64 for float64 inputs), or None unless `output_final_state`. Lists and numpy arrays are
+      taken through `jnp.asarray` first, so float64 ones become float32 unless jax_enable_x64 is on.
+      `jax_kda.debug_checks()` adds run-time checks of the values (positive pre-activated gates,
+      malformed cu_seqlens) for use under `jax.experimental.checkify`.
 
     Raises:
       ValueError: an argument violates the contract, or an explicitly requested kernel backend
         cannot serve the call (the message names the argument and the limit).
       TypeError: a static argument is traced or of the wrong type (see `STATIC_ARGNAMES`).
     """
-    if cu_seqlens is not None:
-        cu_seqlens = jnp.asarray(cu_seqlens)
+    # Python lists and numpy arrays become jax arrays first (float64 becomes float32 unless
+    # jax_enable_x64 is on), so that validation sees the dtypes the computation will have.
+    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = (
+        _as_array(x) for x in (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
     cfg = validate(
         q,
         k,
@@ -104,6 +117,8 @@ def prefill(
         backend=backend,
     )
     ops = Operands(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state)
+    if debug.enabled():
+        debug.check_inputs(cfg, g, cu_seqlens)
     decision = dispatch.decide(cfg, backend)
     explicit = sharding.explicit_split(cfg, q)
     if explicit is None:

@@ -65,6 +65,11 @@ class PrefillConfig:
         return self.num_v_heads // self.num_qk_heads
 
     @property
+    def state_dtype(self) -> str:
+        """The final state's dtype: float32, or float64 for float64 inputs (jax_enable_x64)."""
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @property
     def state_shape(self) -> tuple[int, int, int, int]:
         n, hv, k, v = self.num_seqs, self.num_v_heads, self.head_k, self.head_v
         return (n, hv, v, k) if self.state_v_first else (n, hv, k, v)
@@ -179,6 +184,8 @@ def validate(
     if v_shape[:2] != (b, t):
         raise ValueError(f"v must have B, T = {(b, t)} like q ([B, T, HV, V]), got shape {v_shape}")
     hv, vdim = v_shape[2], v_shape[3]
+    if kdim == 0 or vdim == 0:
+        raise ValueError(f"the head dims K (q's last) and V (v's last) must be positive, got K={kdim}, V={vdim}")
     if h == 0 or hv % h != 0 or hv == 0:
         raise ValueError(f"the number of value heads HV must be a positive multiple of H={h}, got HV={hv}")
     g_shape = _require_rank("g", g, 4, "[B, T, HV, K]")

@@ -209,7 +209,7 @@ def _abstract_eval(*avals, tree, fields, cfg: PrefillConfig, kernels, num_sms, n
     o = jax.core.ShapedArray((cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v), jnp.dtype(cfg.dtype))
     if not cfg.output_final_state:
         return [o]
-    return [o, jax.core.ShapedArray(cfg.state_shape, jnp.float32)]
+    return [o, jax.core.ShapedArray(cfg.state_shape, jnp.dtype(cfg.state_dtype))]
 
 
 def _lowering(ctx, *leaves, tree, fields, cfg, kernels, num_sms, num_segments, cuda: bool):

@@ -209,7 +209,7 @@ def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
         return o, None
     if cfg.state_v_first:
         final = jnp.swapaxes(final, -1, -2)
-    return o, final
+    return o, final.astype(jnp.dtype(cfg.state_dtype))
 
 
 def _prefill_dense(cfg, q, k, v, g, beta, state0, c):

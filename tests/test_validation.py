@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_kda
+from jax_kda import gold
 
 B, T, H, HV, K, V = 2, 8, 2, 4, 16, 8
 
@@ -114,3 +115,77 @@ def test_python_list_cu_seqlens_is_accepted(fresh_seed):
     q = jnp.asarray(np.random.default_rng(fresh_seed).standard_normal((1, 12, 1, 8)), jnp.float32)
     o, _ = jax_kda.prefill(q, q, q, -jnp.abs(q), q[..., 0] * 0 + 0.5, cu_seqlens=[0, 5, 12], backend="xla")
     assert o.shape == (1, 12, 1, 8) and bool(jnp.all(jnp.isfinite(o)))
+
+
+@pytest.mark.parametrize("kdim,vdim", [(0, 8), (8, 0)])
+def test_empty_head_dims_are_an_error(kdim, vdim):
+    q = jnp.zeros((1, 4, 2, kdim))
+    v = jnp.zeros((1, 4, 2, vdim))
+    with pytest.raises(ValueError, match=rf"head dims K \(q's last\) and V \(v's last\) must be positive, got K={kdim}, V={vdim}"):
+        jax_kda.prefill(q, q, v, jnp.zeros((1, 4, 2, kdim)), jnp.zeros((1, 4, 2)))
+
+
+def test_zero_heads_is_an_error():
+    x = jnp.zeros((1, 4, 0, 8))
+    with pytest.raises(ValueError, match=r"positive multiple of H=0"):
+        jax_kda.prefill(x, x, x, x, jnp.zeros((1, 4, 0)))
+
+
+def test_lists_and_float64_numpy_inputs_are_canonicalised(fresh_seed):
+    """Lists and numpy arrays go through jnp.asarray: float64 becomes float32 with x64 off, so o and
+    the state are float32, and the result equals the same call on jax arrays."""
+    rng = np.random.default_rng(fresh_seed)
+    q = rng.standard_normal((1, 6, 1, 4)) * 0.5
+    g = -np.abs(rng.standard_normal((1, 6, 1, 4))) * 0.1
+    beta = rng.uniform(0.1, 0.9, (1, 6, 1))
+    o, final = jax_kda.prefill(q.tolist(), q, q, g, beta, output_final_state=True, backend="xla")
+    assert o.dtype == jnp.float32 and final.dtype == jnp.float32
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    o2, final2 = jax_kda.prefill(f32(q), f32(q), f32(q), f32(g), f32(beta), output_final_state=True, backend="xla")
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(final2))
+
+
+def test_float64_inputs_with_x64_give_float64_outputs(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
+    with jax.enable_x64(True):
+        q = jnp.asarray(rng.standard_normal((1, 6, 1, 4)) * 0.5)
+        g = -jnp.abs(q) * 0.1
+        beta = jnp.full((1, 6, 1), 0.5)
+        o, final = jax_kda.prefill(q, q, q, g, beta, output_final_state=True)
+        assert q.dtype == jnp.float64 and o.dtype == jnp.float64 and final.dtype == jnp.float64
+        want_o, want_final = gold.recurrence(*(np.asarray(x) for x in (q, q, q, g, beta)))
+        assert gold.err_ratio(np.asarray(o), want_o) < 1e-12
+        assert gold.err_ratio(np.asarray(final), want_final) < 1e-12
+
+
+def _debug_call(g, cu):
+    from jax.experimental import checkify
+
+    q = jnp.ones((1, 8, 1, 4)) * 0.1
+    with jax_kda.debug_checks():
+        err, _ = checkify.checkify(jax.jit(lambda g, cu: jax_kda.prefill(q, q, q, g, q[..., 0], cu_seqlens=cu,
+                                                                        backend="xla")))(g, cu)
+    return err.get()
+
+
+def test_debug_checks_report_positive_log_decays_and_malformed_cu_seqlens():
+    g = -jnp.ones((1, 8, 1, 4)) * 0.1
+    good = jnp.array([0, 3, 8], jnp.int32)
+    assert _debug_call(g, good) is None
+    assert "positive log-decays" in _debug_call(g.at[0, 5, 0, 1].set(0.5), good)
+    assert "cu_seqlens decreases (first at index 2)" in _debug_call(g, jnp.array([0, 5, 3, 8], jnp.int32))
+    assert "exceeds T = 8" in _debug_call(g, jnp.array([0, 3, 9], jnp.int32))
+    assert "is negative" in _debug_call(g, jnp.array([-1, 3, 8], jnp.int32))
+
+
+def test_without_debug_checks_nothing_is_added():
+    q = jnp.ones((1, 8, 1, 4)) * 0.1
+    def f(g):
+        return jax_kda.prefill(q, q, q, g, q[..., 0], backend="xla")
+
+    with jax_kda.debug_checks():
+        assert " check[" in str(jax.make_jaxpr(lambda g: f(g))(q))
+    assert " check[" not in str(jax.make_jaxpr(lambda g: f(g))(q))  # a new trace, outside the context
+    o, _ = f(q)  # positive g: not checked, runs
+    assert o.shape == (1, 8, 1, 4)
