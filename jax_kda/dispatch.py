@@ -70,6 +70,8 @@ class Decision:
                 head += f", {p.num_segments} segments of {p.segment_len} tokens per sequence (context parallel)"
             else:
                 head += ", unsegmented"
+            if p.piece_len:
+                head += f"; cut along T into pieces of {p.piece_len} tokens, the state carried between them"
         return head + "".join(f"\n  - {r}" for r in self.reasons)
 
 
@@ -88,11 +90,13 @@ def argument_limits(cfg: PrefillConfig) -> list[str]:
         reasons.append(
             f"the kernels support at most {contract.MAX_GRID_YZ} sequences and {contract.MAX_GRID_YZ} value heads "
             f"per call (CUDA grid limits), got N={cfg.num_seqs}, HV={cfg.num_v_heads}")
-    rows = planner.workspace_rows(cfg)
+    # Long calls are cut along T (planner.piece_length); what must fit is one 16-token slot of every
+    # sequence: a piece needs (slots + N) * HV rows.
+    rows = (cfg.num_seqs + 1) * cfg.num_v_heads
     if rows >= contract.MAX_WORKSPACE_ROWS:
         reasons.append(
-            f"the kernels support ((B*T) // 16 + N) * HV < {contract.MAX_WORKSPACE_ROWS} (32-bit workspace "
-            f"offsets), got {rows} (B*T={cfg.batch * cfg.seqlen}, N={cfg.num_seqs}, HV={cfg.num_v_heads})")
+            f"the kernels support (N + 1) * HV < {contract.MAX_WORKSPACE_ROWS} (32-bit workspace offsets), "
+            f"got {rows} (N={cfg.num_seqs}, HV={cfg.num_v_heads})")
     return reasons
 
 

@@ -154,9 +154,17 @@ def _custom_call(cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, pha
     )
 
 
-def _kernel_calls(*leaves, tree, cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels):
+def _kernel_calls(*leaves, tree, cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, num_sms: int):
     """The custom call(s) of one prefill: what the CUDA lowering emits."""
     ops = jax.tree.unflatten(tree, leaves)
+    if plan.piece_len:
+        def piece(piece_ops, piece_cfg):
+            piece_plan = planner.plan_prefill(piece_cfg, num_sms=num_sms, num_segments=plan.num_segments)
+            piece_leaves, piece_tree = jax.tree.flatten(piece_ops)
+            return _kernel_calls(*piece_leaves, tree=piece_tree, cfg=piece_cfg, plan=piece_plan, kernels=kernels,
+                                 num_sms=num_sms)
+
+        return in_pieces(ops, cfg, plan.piece_len, piece)
     operands = dict(q=ops.q, k=ops.k, v=ops.v, g=ops.g, beta=ops.beta,
                     A_log=None if ops.A_log is None else jnp.asarray(ops.A_log, jnp.float32),
                     dt_bias=_dt_bias_operand(cfg, ops.dt_bias),
@@ -188,6 +196,29 @@ def _kernel_calls(*leaves, tree, cfg: PrefillConfig, plan: RecurrencePlan, kerne
         return [o]
     final = jnp.reshape(finals, (n, s) + finals.shape[1:])[:, -1]
     return [o, jnp.swapaxes(final, -1, -2) if cfg.state_v_first else final]
+
+
+def in_pieces(ops: Operands, cfg: PrefillConfig, piece_len: int, run_piece):
+    """A call cut along T into pieces of `piece_len` tokens, run in order by `run_piece(ops, cfg)`
+    (which returns [o] or [o, final state]), each from the state the one before left
+    (planner.piece_length). Dense: tokens [a, b) of every sequence; packed: packed tokens [a, b),
+    every sequence clipped to them (empty outside, which keeps its state). Returns [o(, state)]."""
+    t = cfg.seqlen
+    state = ops.initial_state
+    outputs = []
+    for a in range(0, t, piece_len):
+        b = min(a + piece_len, t)
+        cut = lambda x: None if x is None else x[:, a:b]  # noqa: E731
+        cu = None if ops.cu_seqlens is None else jnp.clip(jnp.asarray(ops.cu_seqlens).astype(jnp.int32), a, b) - a
+        piece_cfg = dataclasses.replace(cfg, seqlen=b - a, has_initial_state=state is not None,
+                                        initial_state_dtype=None if state is None else cfg.state_dtype,
+                                        output_final_state=cfg.output_final_state or b < t)
+        out = run_piece(Operands(cut(ops.q), cut(ops.k), cut(ops.v), cut(ops.g), cut(ops.beta), ops.A_log,
+                                 ops.dt_bias, cu, state), piece_cfg)
+        outputs.append(out[0])
+        state = out[1] if len(out) > 1 else None
+    o = jnp.concatenate(outputs, axis=1)
+    return [o, state] if cfg.output_final_state else [o]
 
 
 def _xla_calls(*leaves, tree, cfg: PrefillConfig):
@@ -224,7 +255,7 @@ def _lowering(ctx, *leaves, tree, fields, cfg, kernels, num_sms, num_segments, c
     if kernels is not None and cuda:
         def local(local_cfg, *xs):
             plan = planner.plan_prefill(local_cfg, num_sms=num_sms, num_segments=num_segments)
-            return _kernel_calls(*xs, tree=tree, cfg=local_cfg, plan=plan, kernels=kernels)
+            return _kernel_calls(*xs, tree=tree, cfg=local_cfg, plan=plan, kernels=kernels, num_sms=num_sms)
     else:
         def local(local_cfg, *xs):
             return _xla_calls(*xs, tree=tree, cfg=local_cfg)

@@ -38,10 +38,32 @@ class RecurrencePlan:
     num_segments: int  # segments per sequence for intracard context parallelism (1 = off)
     segment_len: int  # tokens per segment (0 when num_segments == 1)
     workspace_bytes: int  # scratch the kernels need per call, allocated by XLA as an extra result
+    piece_len: int = 0  # tokens of T per piece when the call is cut along T (0: one piece)
 
     def __post_init__(self):
         if self.chunk_size <= 0 or self.v_split <= 0 or self.num_segments <= 0:
             raise ValueError(f"invalid plan {self}")
+
+
+# Long calls. A call whose workspace would exceed the kernels' 32-bit offsets (contract.
+# MAX_WORKSPACE_ROWS) is cut along T into pieces, run one after the other with the state carried from
+# each piece to the next (every sequence is in every piece, possibly empty, so packed calls cut the
+# same way). A piece has at most MAX_PIECE_ROWS rows (2^18 x 14 336 B = 3.8 GB of workspace), which
+# bounds the workspace and every offset inside a piece; more only when N x HV needs it. Calls under the
+# limit run whole, as before (a piece costs a copy of its inputs and of its o).
+MAX_PIECE_ROWS = 1 << 18
+
+
+def piece_length(cfg: PrefillConfig) -> int:
+    """Tokens of T per piece (a multiple of 16) when the call must be cut along T, else 0."""
+    if workspace_rows(cfg) < contract.MAX_WORKSPACE_ROWS:
+        return 0
+    budget = min(max(MAX_PIECE_ROWS, (cfg.num_seqs + 16) * cfg.num_v_heads), contract.MAX_WORKSPACE_ROWS - 1)
+    slots = budget // cfg.num_v_heads - cfg.num_seqs  # chunk slots per value head left for tokens
+    rows_per_slot = 1 if cfg.varlen else cfg.batch  # 16 tokens of T are B slots when dense
+    longest = max(slots // rows_per_slot, 1) * KERNEL_CHUNK_SIZE
+    pieces = -(-cfg.seqlen // longest)
+    return -(-cfg.seqlen // (pieces * KERNEL_CHUNK_SIZE)) * KERNEL_CHUNK_SIZE  # pieces of even length
 
 
 def workspace_rows(cfg: PrefillConfig, num_segments: int = 1) -> int:
@@ -140,6 +162,10 @@ def plan_prefill(cfg: PrefillConfig, *, num_sms: int = DEFAULT_NUM_SMS,
     `num_segments` overrides the planner's choice (tests use it to run the segmented path on small
     shapes); the override must keep the workspace within the kernels' 32-bit offsets.
     """
+    piece_len = piece_length(cfg)
+    whole = cfg
+    if piece_len:  # plan a full piece; the last, shorter one is planned when it is lowered
+        cfg = dataclasses.replace(cfg, seqlen=piece_len)
     n = choose_segments(cfg, num_sms) if num_segments is None else num_segments
     if n < 1 or n > contract.MAX_SEGMENTS or not segments_fit(cfg, n):
         raise ValueError(f"num_segments={n} is not possible for this call (1..{contract.MAX_SEGMENTS}; "
@@ -151,4 +177,5 @@ def plan_prefill(cfg: PrefillConfig, *, num_sms: int = DEFAULT_NUM_SMS,
         num_segments=n,
         segment_len=segment_length(cfg, n) if n > 1 else 0,
         workspace_bytes=contract.workspace_bytes(cfg.batch * cfg.seqlen, cfg.num_seqs, n, cfg.num_v_heads),
+        piece_len=piece_len if piece_len < whole.seqlen else 0,
     )

@@ -132,3 +132,45 @@ def test_planner_rejects_a_segment_count_beyond_the_workspace_limit():
     assert planner.plan_prefill(cfg, num_segments=1).num_segments == 1
     with pytest.raises(ValueError, match="num_segments"):
         planner.plan_prefill(cfg, num_segments=64)
+
+
+def test_long_calls_are_cut_along_t_only_past_the_workspace_limit():
+    S = jax.ShapeDtypeStruct
+
+    def cfg(t, h, b=1, packed=False):
+        x = S((b, t, h, 128), jnp.bfloat16)
+        return validate(x, x, x, x, S((b, t, h), jnp.bfloat16), cu_seqlens=S((6,), jnp.int32) if packed else None)
+
+    # Under 2^20 rows a call runs whole, as before.
+    assert planner.plan_prefill(cfg(170_000, 96)).piece_len == 0
+    for t, h, b, packed in ((1 << 20, 32, 1, False), (1 << 18, 96, 1, False), (1 << 21, 8, 1, False),
+                            (1 << 20, 32, 1, True), (300_000, 16, 4, False)):
+        c = cfg(t, h, b, packed)
+        plan = planner.plan_prefill(c)
+        assert plan.piece_len % 16 == 0 and 0 < plan.piece_len < t
+        piece = dataclasses.replace(c, seqlen=plan.piece_len)
+        assert planner.workspace_rows(piece, plan.num_segments) <= planner.MAX_PIECE_ROWS
+        pieces = -(-t // plan.piece_len)
+        assert t - (pieces - 1) * plan.piece_len > plan.piece_len // 2  # even pieces, no stub at the end
+        assert plan.workspace_bytes < 4e9
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_pieces_carry_the_state_exactly(packed, fresh_seed):
+    """The piece loop itself, on the XLA path: cutting T into pieces of 48 tokens (sequences cross
+    piece boundaries, some pieces hold none of a sequence) gives the whole call's results."""
+    from jax_kda import kernel, xla_backend
+    from jax_kda.config import Operands
+    from jax_kda.testing import Workload, make_inputs
+
+    w = Workload("pieces", seqlens=(30, 0, 101, 17) if packed else None, batch=1 if packed else 2, seqlen=150,
+                 heads=2, dtype="float32", state_v_first=packed)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    cfg = validate(*args, **kwargs)
+    ops = Operands(*args, kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("cu_seqlens"),
+                   kwargs.get("initial_state"))
+    whole = xla_backend.prefill(cfg, ops)
+    run = lambda o, c: [x for x in xla_backend.prefill(c, o) if x is not None]  # noqa: E731
+    o, final = kernel.in_pieces(ops, cfg, 48, run)
+    assert gold.err_ratio(np.asarray(o), np.asarray(whole[0])) < 1e-5
+    assert gold.err_ratio(np.asarray(final), np.asarray(whole[1])) < 1e-5

@@ -245,3 +245,19 @@ def test_auto_lowers_to_the_kernel_and_its_gradients_are_the_xla_paths(fresh_see
     (_, t_auto) = jax.jvp(lambda *p: loss("auto", *p), primals, tangents)
     (_, t_xla) = jax.jvp(lambda *p: loss("xla", *p), primals, tangents)
     assert abs(float(t_auto) - float(t_xla)) <= 1e-2 * abs(float(t_xla))
+
+
+@requires_hopper
+@pytest.mark.parametrize("kernels", HOPPER_KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("w", [W("pieces_dense", batch=2, seqlen=300, heads=2, **D),
+                               W("pieces_packed", seqlens=(40, 0, 170, 33), heads=3, state_v_first=True, **D)],
+                         ids=lambda w: w.name)
+def test_a_call_cut_along_t_carries_the_state_between_pieces(w, kernels, monkeypatch, fresh_seed):
+    """The long-context path (calls past one workspace are cut along T) forced onto small shapes:
+    pieces of 64 tokens, sequences crossing piece boundaries, against the float64 recurrence."""
+    from jax_kda import planner
+
+    monkeypatch.setattr(planner, "piece_length", lambda cfg: 64 if cfg.seqlen > 64 else 0)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    o, final = prefill_with_kernels(kernels, *args, **kwargs)
+    check_against_gold(f"{w.name} in pieces of 64 [{kernels.name}]", w, args, kwargs, o, final)

@@ -185,3 +185,17 @@ def test_segmented_call_lowers_to_a_summary_call_then_an_apply_call():
     cfg = validate(x, x, x, x, beta, initial_state=state, output_final_state=True, state_v_first=True)
     workspace = planner.plan_prefill(cfg, num_segments=3).workspace_bytes
     assert workspace == contract.workspace_bytes(200, 2, 3, 3) and f"tensor<{workspace}xui8>" in apply_out
+
+
+def test_a_million_token_call_exports_for_cuda_in_pieces():
+    """T = 1M at 32 heads is past one kernel call's workspace: the CUDA program cuts it along T into
+    pieces (state carried), each with a workspace under 4 GB."""
+    x, beta = S((1, 1 << 20, 32, 128), jnp.bfloat16), S((1, 1 << 20, 32), jnp.bfloat16)
+    state = S((1, 32, 128, 128), jnp.float32)
+    f = lambda *a: jax_kda.prefill(*a[:5], initial_state=a[5], output_final_state=True)  # noqa: E731
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=NO_TARGET_CHECK)(x, x, x, x, beta, state)
+    calls = _custom_calls(exported.mlir_module())
+    pieces = -(-(1 << 20) // planner.plan_prefill(validate(x, x, x, x, beta)).piece_len)
+    assert pieces > 1 and len(calls) >= pieces
+    workspaces = [int(m) for c in calls for m in re.findall(r"tensor<(\d+)xui8>", c)]
+    assert max(workspaces) < 4e9
