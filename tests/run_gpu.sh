@@ -7,20 +7,7 @@
 #
 # Exits non-zero if any step fails; logs go to LOG_DIR (default ./gpu-logs).
 set -uo pipefail
-wheel=${1:?usage: tests/run_gpu.sh WHEEL [LOG_DIR]}
-logs=${2:-gpu-logs}
-here=$(cd "$(dirname "$0")/.." && pwd)
-site=$(mktemp -d)
-logs=$(mkdir -p "$logs" && cd "$logs" && pwd)
-python3 -m pip install -q --no-index --no-deps --target "$site" "$wheel" || exit 1
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-cd "$site"  # import jax_kda from the wheel, not from a source tree
-status=0
-step() {  # step NAME COMMAND...: runs, logs, records failure
-  local name=$1; shift
-  echo "== $name"
-  if "$@" >"$logs/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (see $logs/$name.log)"; tail -30 "$logs/$name.log"; status=1; fi
-}
+source "$(dirname "$0")/gpu_steps.sh"
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
 step gpu-tests python3 -m pytest -q -m gpu -rsP "$here/tests" -p no:cacheprovider
 grep -h "err_ratio" "$logs/gpu-tests.log" | sort -u | sed 's/^/   /'  # accuracy per case (printed by the tests)
