@@ -123,9 +123,18 @@ def _load_and_register() -> tuple[types.ModuleType | None, str | None, frozenset
     try:
         module = importlib.import_module(_EXTENSION)
     except ImportError as e:
+        package = pathlib.Path(__file__).resolve().parent
+        if (package.parent / "pyproject.toml").is_file() and (package.parent / "csrc").is_dir():
+            return None, (
+                f"you are importing the jax_kda source checkout at {package.parent}, which has no compiled "
+                f"extension ({e}); install the package (pip install .) and import it from outside the "
+                "checkout to use the kernels (backend='xla' works as it is)"
+            ), frozenset()
         return None, (
-            f"the compiled extension {_EXTENSION} could not be imported ({e}). It is built only when a CUDA "
-            "toolkit is found at install time; reinstall jax_kda with one (backend='xla' works without it)"
+            f"the compiled extension {_EXTENSION} could not be imported ({e}). It is built at install time "
+            "on Linux (its build requirements are pip packages, no CUDA toolkit needed); this installation "
+            "has none, so only backend='xla' works: reinstall jax_kda on Linux with "
+            "JAX_KDA_BUILD_KERNELS=ON to see why the build skipped it"
         ), frozenset()
     try:
         runtime = runtime_ffi_api_version()
