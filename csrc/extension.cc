@@ -2,6 +2,7 @@
 // the CPU tests read back from the build (its FFI API version, kernel objects, workspace formula).
 // jax_kda/_native.py loads it, checks the FFI API version and registers the target.
 
+#include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
 #include <type_traits>
@@ -66,6 +67,17 @@ NB_MODULE(_jax_kda_ext, m) {
         return nb::str(arch);
       },
       "The compiler target whose objects serve a device of this compute capability, or None.");
+
+  m.def(
+      "cuda_driver_version",
+      [] {
+        int version = 0;  // 0: no driver (cudaDriverGetVersion reports that without failing)
+        if (cudaDriverGetVersion(&version) != cudaSuccess) version = 0;
+        return version;
+      },
+      "The installed CUDA driver's version as 1000 * major + 10 * minor (0 without a driver).");
+  m.def("cuda_runtime_version", [] { return CUDART_VERSION; },
+        "The CUDA runtime version the extension links statically (1000 * major + 10 * minor).");
 
   m.def("workspace_bytes", &jax_kda::PrefillWorkspaceBytes,
         "The workspace bytes the handler requires for (total_tokens, num_sequences, num_segments, HV).");

@@ -54,6 +54,25 @@ def ffi_api_incompatibility(built: tuple[int, int], runtime: tuple[int, int]) ->
     )
 
 
+def driver_incompatibility(driver: int, runtime: int, has_gpu: bool) -> str | None:
+    """Why the kernels cannot run with CUDA driver version `driver` (1000 * major + 10 * minor; 0 for
+    none) when the extension links CUDA runtime `runtime` statically, or None. Only where this
+    process has CUDA devices: on a host without a GPU the kernels still lower (jax.export)."""
+    if not has_gpu or driver >= runtime:
+        return None
+    need = f"{runtime // 1000}.{runtime % 1000 // 10}"
+    found = "no CUDA driver" if driver == 0 else f"CUDA driver {driver // 1000}.{driver % 1000 // 10}"
+    return (f"the jax_kda kernels are built with CUDA {need} and need an NVIDIA driver that supports it (>= 580 "
+            f"for CUDA 13.0), but this machine has {found}: update the driver (backend='xla' works without it)")
+
+
+def _has_cuda_devices() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
 def runtime_ffi_api_version() -> tuple[int, int]:
     """The XLA FFI API version of the running jaxlib, read from the C API header it ships.
 
@@ -141,6 +160,8 @@ def _load_and_register() -> tuple[types.ModuleType | None, str | None, frozenset
     except RuntimeError as e:
         return None, str(e), frozenset()
     reason = ffi_api_incompatibility(tuple(module.ffi_api_version()), runtime)
+    if reason is None:
+        reason = driver_incompatibility(module.cuda_driver_version(), module.cuda_runtime_version(), _has_cuda_devices())
     if reason is not None:
         return None, reason, frozenset()
     targets = module.registrations()

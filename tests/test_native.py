@@ -123,6 +123,23 @@ def test_ffi_api_compatibility_rule(built, runtime, compatible):
         assert "rebuild jax_kda" in reason
 
 
+@pytest.mark.parametrize(("driver", "runtime", "has_gpu", "ok"), [
+    (13000, 13000, True, True), (13020, 13000, True, True), (12080, 13000, True, False), (0, 13000, True, False),
+    (0, 13000, False, True),  # no GPU: the kernels still lower (export), nothing to check
+])
+def test_driver_rule(driver, runtime, has_gpu, ok):
+    reason = _native.driver_incompatibility(driver, runtime, has_gpu)
+    assert (reason is None) == ok
+    if not ok:
+        assert "need an NVIDIA driver" in reason and "13.0" in reason
+
+
+@requires_extension
+def test_extension_reports_the_cuda_runtime_it_links():
+    assert _native.load().cuda_runtime_version() // 1000 == 13
+    assert _native.load().cuda_driver_version() >= 0
+
+
 @requires_extension
 def test_the_target_is_registered_for_cuda_once():
     _native.load()
