@@ -78,6 +78,7 @@ def compile_all(out_dir: pathlib.Path) -> None:
     from common import prefill
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    dump_dir = os.environ.get("CUTE_DSL_DUMP_DIR")
     for obj in contract.KERNEL_OBJECTS:
         recurrence = importlib.import_module(obj.source).RECURRENCE
         started = time.perf_counter()
@@ -86,6 +87,12 @@ def compile_all(out_dir: pathlib.Path) -> None:
                                 options=f"--gpu-arch {obj.arch.name}")
         compiled.export_to_c(str(out_dir), obj.name, function_prefix=f"jax_kda_{obj.name}")
         print(f"aot_compile: {obj.name} in {time.perf_counter() - started:.2f} s", flush=True)
+        if dump_dir:  # --check: the files the DSL kept (named by entry point and arch) into the object's folder
+            kept = pathlib.Path(dump_dir)
+            (kept / obj.name).mkdir(exist_ok=True)
+            for path in kept.iterdir():
+                if path.is_file():
+                    path.rename(kept / obj.name / path.name)
 
 
 # --- --check ------------------------------------------------------------------------------------------------
@@ -122,8 +129,13 @@ def check(dump_dir: pathlib.Path) -> bool:
         "prepare_chunks": cubin.max_registers(contract.PREPARE_CTAS_PER_SM, contract.PREPARE_THREADS),
         "recurrence": cubin.max_registers(contract.RECURRENCE_CTAS_PER_SM, contract.RECURRENCE_THREADS),
     }
+    from common import combine_segments, prepare_chunks
+
+    print(f"shared memory a CTA: prepare_chunks {prepare_chunks.shared_memory_bytes()} B, combine_segments "
+          + " / ".join(f"{combine_segments.shared_memory_bytes(c)} B" for c in combine_segments.V_BLOCKS)
+          + f" ({' / '.join(map(str, combine_segments.V_BLOCKS))} columns)")
     ok = True
-    for path in sorted(dump_dir.glob("*.cubin")):
+    for path in sorted(dump_dir.glob("*/*.cubin")):
         image = path.read_bytes()
         arch = cubin.cubin_arch(image)
         ptx = path.with_suffix(".ptx")
@@ -131,7 +143,7 @@ def check(dump_dir: pathlib.Path) -> bool:
         for kernel, registers in sorted(cubin.register_counts(image).items(), key=lambda kv: kernel_family(kv[0])):
             family = kernel_family(kernel)
             _, spill_st, spill_ld = spills.get(kernel, (0, None, None))
-            print(f"{arch} {family:18s} registers {registers:3d} (limit {limits.get(family, 255)}), "
+            print(f"{path.parent.name:26s} {arch} {family:18s} registers {registers:3d} (limit {limits.get(family, 255)}), "
                   f"spills {spill_st}/{spill_ld} B store/load")
             if registers > limits.get(family, 255):
                 print(f"  {family}: more registers than its occupancy allows")
