@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds the publishable wheel: `pip wheel` (kernels compiled from pip packages alone), then auditwheel
+# Builds the publishable wheels: `pip wheel` (kernels compiled from pip packages alone), then auditwheel
 # repair to a manylinux tag, which also checks that the extension needs nothing beyond the manylinux
 # policy's libraries (it links static cudart and loads the CUDA driver at run time, so libcuda is
-# not among its dependencies).
+# not among its dependencies); and the pure-Python fallback (JAX_KDA_BUILD_KERNELS=OFF), tagged
+# py3-none-any.
 #
 #   build/wheel.sh [OUT_DIR]     # default dist/; needs a Python >= 3.12 as PYTHON or on PATH
 set -euo pipefail
@@ -21,3 +22,5 @@ plat=$("$work/venv/bin/auditwheel" show "$raw" | tr -s ' \n' ' ' | sed -n 's/.*c
 mkdir -p "$out"
 PATH="$work/venv/bin:$PATH" "$work/venv/bin/auditwheel" repair --plat "$plat" -w "$out" "$raw"
 ls "$out"/jax_kda-*manylinux*.whl
+JAX_KDA_BUILD_KERNELS=OFF "$work/venv/bin/python" -m pip wheel -q . --no-deps -w "$out"
+ls "$out"/jax_kda-*-py3-none-any.whl
