@@ -13,6 +13,7 @@ into a clear reason at the first use.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pathlib
 import re
@@ -99,15 +100,25 @@ def load() -> types.ModuleType:
     Raises:
       RuntimeError: the kernels are unavailable; the message says why.
     """
-    module, reason, _ = _initialize()
-    if module is None:
+    module, _, _ = _initialize()
+    reason = unavailable_reason()
+    if reason is not None:
         raise RuntimeError(f"jax_kda kernels are unavailable: {reason}")
     return module
 
 
 def unavailable_reason() -> str | None:
-    """Why the kernels cannot be used in this process, or None if they can."""
-    return _initialize()[1]
+    """Why the kernels cannot be used in this process, or None if they can: the extension's load and
+    registration, then (at the first call that asks, not at import, since it starts jax's backends)
+    the CUDA driver against the runtime the extension links."""
+    module, reason, _ = _initialize()
+    return reason if reason is not None else _driver_reason()
+
+
+@functools.cache
+def _driver_reason() -> str | None:
+    module = _initialize()[0]
+    return driver_incompatibility(module.cuda_driver_version(), module.cuda_runtime_version(), _has_cuda_devices())
 
 
 def kernel_objects() -> tuple[tuple[str, str], ...]:
@@ -160,8 +171,6 @@ def _load_and_register() -> tuple[types.ModuleType | None, str | None, frozenset
     except RuntimeError as e:
         return None, str(e), frozenset()
     reason = ffi_api_incompatibility(tuple(module.ffi_api_version()), runtime)
-    if reason is None:
-        reason = driver_incompatibility(module.cuda_driver_version(), module.cuda_runtime_version(), _has_cuda_devices())
     if reason is not None:
         return None, reason, frozenset()
     targets = module.registrations()

@@ -178,3 +178,18 @@ def test_no_csrc_file_restates_a_contract_constant():
         text = path.read_text()
         for literal in spelled:
             assert literal not in text, f"{path.name} spells out {literal!r}"
+
+
+def test_importing_jax_kda_leaves_jax_unconfigured():
+    """`import jax_kda` registers the custom call target but starts no jax backend, so jax can still
+    be configured after it (e.g. the number of CPU devices)."""
+    import subprocess
+    import sys
+
+    code = ("import jax_kda, jax\nfrom jax._src import xla_bridge\n"
+            "assert not xla_bridge.backends_are_initialized()\n"
+            "jax.config.update('jax_num_cpu_devices', 3)\nassert len(jax.devices('cpu')) == 3\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"},
+                         cwd=pathlib.Path(__file__).resolve().parent)
+    assert run.returncode == 0, run.stderr[-2000:]
