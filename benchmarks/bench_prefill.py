@@ -12,7 +12,8 @@ above, then take both back (on a machine that returns only a folder, copy them t
 in them comes from this run of one build: record the build's commit with `--commit` or the
 JAX_KDA_COMMIT environment variable (the installed wheel has no .git; "unknown" otherwise).
 
-Cases (`--cases`, default all of `jax_kda.testing.BENCHMARK_CASES`: the grid and EXTRA_CASES), or
+Cases (`--cases`, default all of `jax_kda.testing.BENCHMARK_CASES`: the grid, EXTRA_CASES and
+GATE_DTYPE_CASES, grid shapes with fp32 g and beta), or
 any name of the grid's form such as h2_fixed256, h4_3x1k or h8_mixed (see harness.workload).
 
 How it measures (harness.METHOD, printed with the results): for each implementation, K back-to-back
@@ -122,6 +123,8 @@ class FlashKda:
             reasons.append("grouped value heads (it needs HV == H)")
         if w.dtype != "bfloat16":
             reasons.append(f"{w.dtype} inputs (it needs bfloat16)")
+        if (w.g_dtype or "bfloat16") != "bfloat16" or (w.beta_dtype or "bfloat16") != "bfloat16":
+            reasons.append("fp32 g or beta (it needs bfloat16)")
         if not -5.0 <= w.lower_bound <= 0.0:
             reasons.append(f"lower_bound {w.lower_bound} outside [-5, 0]")
         return "; ".join(reasons) or None

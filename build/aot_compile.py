@@ -5,8 +5,10 @@ CMake runs it at build time, on a machine that needs no GPU:
 
     aot_compile.py --header DIR       writes DIR/kda_contract.h and DIR/kda_kernel_objects.h, rendered
                                       from jax_kda/contract.py (the one definition of the contract)
-    aot_compile.py --out-dir DIR      compiles every kda_contract.KERNEL_OBJECTS entry with symbolic
-                                      sizes and exports it (export_to_c) as DIR/<name>.h and .o
+    aot_compile.py --out-dir DIR      compiles every kda_contract.KERNEL_EXPORTS entry (a kernel object
+                                      for one pair of gate dtypes) with symbolic sizes and exports it
+                                      (export_to_c) as DIR/<name>.h and .o, one process per export
+                                      (JAX_KDA_BUILD_JOBS of them at once; default: the CPU count)
     aot_compile.py --out-dir DIR --check
                                       the same, keeping the PTX and cubins under DIR/dump, then prints
                                       each kernel's registers (and spills, with a local ptxas) and
@@ -16,14 +18,16 @@ CMake runs it at build time, on a machine that needs no GPU:
                                       the files --out-dir writes, one per line; compiles nothing
 
 The exported C symbols carry the prefix jax_kda_<name>: an exported module is process-global, so every
-object needs its own. The kernel sources (csrc/kernels/) import the contract as `kda_contract`: this
+export needs its own. The kernel sources (csrc/kernels/) import the contract as `kda_contract`: this
 file loads jax_kda/contract.py under that name, by path, since the build environment has no jax.
 """
 
 import argparse
+import concurrent.futures
 import ctypes
 import importlib
 import importlib.util
+import multiprocessing
 import os
 import pathlib
 import re
@@ -31,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNEL_SOURCE_DIR = ROOT / "csrc" / "kernels"
@@ -51,7 +56,7 @@ contract = load_by_path("kda_contract", "jax_kda/contract.py")
 
 
 def output_paths(out_dir: pathlib.Path) -> list[pathlib.Path]:
-    return [out_dir / f"{obj.name}{suffix}" for obj in contract.KERNEL_OBJECTS for suffix in (".h", ".o")]
+    return [out_dir / f"{e.name}{suffix}" for e in contract.KERNEL_EXPORTS for suffix in (".h", ".o")]
 
 
 def write_headers(out_dir: pathlib.Path) -> None:
@@ -63,9 +68,23 @@ def write_headers(out_dir: pathlib.Path) -> None:
             path.write_text(text)
 
 
-def compile_all(out_dir: pathlib.Path) -> None:
+def compile_export(index: int, out_dir: str, dump_dir: str | None) -> str:
+    """Compiles and exports KERNEL_EXPORTS[index], in a process of its own (the DSL reads its
+    environment, the dump folder included, at import). Returns the line to print; a failure comes
+    back as a RuntimeError carrying the worker's traceback (DSL errors do not pickle)."""
+    try:
+        return _compile_export(contract.KERNEL_EXPORTS[index], out_dir, dump_dir)
+    except BaseException:
+        raise RuntimeError(f"compiling {contract.KERNEL_EXPORTS[index].name} failed:\n{traceback.format_exc()}") from None
+
+
+def _compile_export(export, out_dir: str, dump_dir: str | None) -> str:
     # The build must not depend on what an earlier build left in the DSL's on-disk cache.
     os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
+    if dump_dir:  # --check: the PTX and cubin the DSL keeps, in the export's own folder
+        os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"
+        os.environ["CUTE_DSL_DUMP_DIR"] = str(pathlib.Path(dump_dir) / export.name)
+        pathlib.Path(os.environ["CUTE_DSL_DUMP_DIR"]).mkdir(parents=True, exist_ok=True)
     import cutlass.cute as cute
     import cutlass.runtime
 
@@ -77,22 +96,29 @@ def compile_all(out_dir: pathlib.Path) -> None:
     sys.path.insert(0, str(KERNEL_SOURCE_DIR))
     from common import prefill
 
+    obj = export.object
+    recurrence = importlib.import_module(obj.source).RECURRENCE
+    started = time.perf_counter()
+    # Always pinned: without --gpu-arch the DSL silently targets sm_100a.
+    compiled = cute.compile(prefill.prefill, *prefill.compile_arguments(recurrence, export.gates),
+                            options=f"--gpu-arch {obj.arch.name}")
+    compiled.export_to_c(out_dir, export.name, function_prefix=f"jax_kda_{export.name}")
+    return f"aot_compile: {export.name} in {time.perf_counter() - started:.2f} s"
+
+
+def compile_all(out_dir: pathlib.Path, dump_dir: pathlib.Path | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    dump_dir = os.environ.get("CUTE_DSL_DUMP_DIR")
-    for obj in contract.KERNEL_OBJECTS:
-        recurrence = importlib.import_module(obj.source).RECURRENCE
-        started = time.perf_counter()
-        # Always pinned: without --gpu-arch the DSL silently targets sm_100a.
-        compiled = cute.compile(prefill.prefill, *prefill.compile_arguments(recurrence),
-                                options=f"--gpu-arch {obj.arch.name}")
-        compiled.export_to_c(str(out_dir), obj.name, function_prefix=f"jax_kda_{obj.name}")
-        print(f"aot_compile: {obj.name} in {time.perf_counter() - started:.2f} s", flush=True)
-        if dump_dir:  # --check: the files the DSL kept (named by entry point and arch) into the object's folder
-            kept = pathlib.Path(dump_dir)
-            (kept / obj.name).mkdir(exist_ok=True)
-            for path in kept.iterdir():
-                if path.is_file():
-                    path.rename(kept / obj.name / path.name)
+    jobs = int(os.environ.get("JAX_KDA_BUILD_JOBS") or os.cpu_count() or 1)
+    started = time.perf_counter()
+    print(f"aot_compile: compiling {len(contract.KERNEL_EXPORTS)} kernel exports, {jobs} at a time", flush=True)
+    # Spawned workers, one export each: nothing of the DSL is shared between compilations.
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                max_tasks_per_child=1) as pool:
+        futures = [pool.submit(compile_export, i, str(out_dir), dump_dir and str(dump_dir))
+                   for i in range(len(contract.KERNEL_EXPORTS))]
+        for future in concurrent.futures.as_completed(futures):
+            print(future.result(), flush=True)
+    print(f"aot_compile: done in {time.perf_counter() - started:.1f} s", flush=True)
 
 
 # --- --check ------------------------------------------------------------------------------------------------
@@ -129,9 +155,11 @@ def check(dump_dir: pathlib.Path) -> bool:
         "prepare_chunks": cubin.max_registers(contract.PREPARE_CTAS_PER_SM, contract.PREPARE_THREADS),
         "recurrence": cubin.max_registers(contract.RECURRENCE_CTAS_PER_SM, contract.RECURRENCE_THREADS),
     }
+    sys.path.insert(0, str(KERNEL_SOURCE_DIR))
     from common import combine_segments, prepare_chunks
 
-    print(f"shared memory a CTA: prepare_chunks {prepare_chunks.shared_memory_bytes()} B, combine_segments "
+    print(f"shared memory a CTA: prepare_chunks {prepare_chunks.shared_memory_bytes(2)} B (bf16 g) / "
+          f"{prepare_chunks.shared_memory_bytes(4)} B (fp32 g), combine_segments "
           + " / ".join(f"{combine_segments.shared_memory_bytes(c)} B" for c in combine_segments.V_BLOCKS)
           + f" ({' / '.join(map(str, combine_segments.V_BLOCKS))} columns)")
     ok = True
@@ -174,9 +202,7 @@ def main() -> None:
     if args.check:
         shutil.rmtree(dump_dir, ignore_errors=True)
         dump_dir.mkdir(parents=True)
-        os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"
-        os.environ["CUTE_DSL_DUMP_DIR"] = str(dump_dir)
-    compile_all(args.out_dir)
+    compile_all(args.out_dir, dump_dir if args.check else None)
     missing = [path for path in output_paths(args.out_dir) if not path.is_file()]
     if missing:
         sys.exit(f"aot_compile: export did not write {', '.join(map(str, missing))}")

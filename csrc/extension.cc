@@ -53,11 +53,12 @@ NB_MODULE(_jax_kda_ext, m) {
       [] {
         nb::list objects;
         for (const jax_kda::ExportedObject& object : jax_kda::PrefillModules().objects()) {
-          objects.append(nb::make_tuple(object.name, object.arch));
+          objects.append(nb::make_tuple(object.name, object.object, object.arch, object.gate_variant));
         }
         return objects;
       },
-      "The exported kernel objects linked into this module, as (name, compiler target) pairs.");
+      "The kernel exports linked into this module, as (export name, kernel object, compiler target, gate "
+      "variant) tuples.");
 
   m.def(
       "arch_for_compute_capability",

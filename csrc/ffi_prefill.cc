@@ -102,9 +102,30 @@ ffi::Error PrefillInstantiate(PrefillAttrs attrs) {
   return ffi::Error::Success();
 }
 
+// The gate variant (index into contract::kGateVariants) reading g and beta in these dtypes, or -1.
+int GateVariantOf(ffi::DataType g, ffi::DataType beta) {
+  auto gate_dtype = [](ffi::DataType t) {
+    switch (t) {
+      case ffi::DataType::BF16:
+        return static_cast<int>(contract::GateDtype::kBfloat16);
+      case ffi::DataType::F32:
+        return static_cast<int>(contract::GateDtype::kFloat32);
+      default:
+        return -1;
+    }
+  };
+  const int gd = gate_dtype(g), bd = gate_dtype(beta);
+  for (int i = 0; i < contract::kNumGateVariants; ++i) {
+    if (static_cast<int>(contract::kGateVariants[i].g) == gd && static_cast<int>(contract::kGateVariants[i].beta) == bd) {
+      return i;
+    }
+  }
+  return -1;
+}
+
 ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi::BF16> q,
-                          ffi::BufferR4<ffi::BF16> k, ffi::BufferR4<ffi::BF16> v, ffi::BufferR4<ffi::BF16> g,
-                          ffi::BufferR3<ffi::BF16> beta, ffi::BufferR1<ffi::F32> a_log,
+                          ffi::BufferR4<ffi::BF16> k, ffi::BufferR4<ffi::BF16> v, ffi::AnyBuffer g,
+                          ffi::AnyBuffer beta, ffi::BufferR1<ffi::F32> a_log,
                           ffi::BufferR1<ffi::F32> dt_bias, ffi::BufferR1<ffi::S32> cu_seqlens,
                           ffi::Buffer<ffi::F32> initial_state, ffi::BufferR1<ffi::U8> workspace_in,
                           ffi::ResultBufferR4<ffi::BF16> o, ffi::Result<ffi::Buffer<ffi::F32>> final_state,
@@ -121,9 +142,12 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
     return InvalidArgument("expected q, k [B, T, H, 128] and v, g, o [B, T, HV, 128]; got q " + Dims(qd) + ", v " +
                            Dims(vd));
   }
-  if (beta.dimensions()[0] != b || beta.dimensions()[1] != t || beta.dimensions()[2] != hv) {
+  if (beta.dimensions().size() != 3 || beta.dimensions()[0] != b || beta.dimensions()[1] != t ||
+      beta.dimensions()[2] != hv) {
     return InvalidArgument("beta must be [B, T, HV], got " + Dims(beta.dimensions()));
   }
+  const int gate_variant = GateVariantOf(g.element_type(), beta.element_type());
+  if (gate_variant < 0) return InvalidArgument("g and beta must each be bfloat16 or float32");
   if (h == 0 || hv % h != 0) return InvalidArgument("HV must be a multiple of H");
   const int64_t n = attrs.num_sequences, s = attrs.num_segments, units = n * s;
   if (attrs.varlen ? (b != 1 || static_cast<int64_t>(cu_seqlens.element_count()) != units + 1) : n != b) {
@@ -184,7 +208,8 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   KernelModules& modules = PrefillModules();
   if (const std::string& error = modules.Load(); !error.empty()) return ffi::Error::Internal(error);
   std::string resolve_error;
-  const int object = modules.Resolve(static_cast<contract::Kernels>(attrs.kernels), device, &resolve_error);
+  const int object =
+      modules.Resolve(static_cast<contract::Kernels>(attrs.kernels), gate_variant, device, &resolve_error);
   if (object < 0) return ffi::Error::Internal(resolve_error);
 
   int32_t flags = attrs.gate_mode << contract::kGateModeShift;
@@ -257,8 +282,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::BufferR4<ffi::BF16>>()           // q [B, T, H, 128]
         .Arg<ffi::BufferR4<ffi::BF16>>()           // k [B, T, H, 128]
         .Arg<ffi::BufferR4<ffi::BF16>>()           // v [B, T, HV, 128]
-        .Arg<ffi::BufferR4<ffi::BF16>>()           // g [B, T, HV, 128]: raw gate or log-decay
-        .Arg<ffi::BufferR3<ffi::BF16>>()           // beta [B, T, HV]
+        .Arg<ffi::AnyBuffer>()                     // g [B, T, HV, 128], bf16 or fp32: raw gate or log-decay
+        .Arg<ffi::AnyBuffer>()                     // beta [B, T, HV], bf16 or fp32
         .Arg<ffi::BufferR1<ffi::F32>>()            // A_log [HV], or [0]
         .Arg<ffi::BufferR1<ffi::F32>>()            // dt_bias [HV * 128] (zeros when absent), or [0] for gate 0
         .Arg<ffi::BufferR1<ffi::S32>>()            // cu_seqlens [units + 1], or [0] when dense

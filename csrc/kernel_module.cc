@@ -56,14 +56,16 @@ std::string KernelModules::LoadAll() {
       return "jax_kda: reading the attributes of CUDA device " + std::to_string(device) +
              " failed: " + CudaErrorText(error);
     }
-    // Which object serves each request on this device.
-    d.object.fill(-1);
+    // Which export serves each request and gate variant on this device.
+    for (auto& by_variant : d.exports) by_variant.fill(-1);
     const char* arch = ArchForComputeCapability(d.major, d.minor);
     for (const contract::KernelChoice& choice : contract::kKernelChoices) {
       if (arch == nullptr || std::strcmp(choice.arch, arch) != 0) continue;
       for (size_t i = 0; i < objects_.size(); ++i) {
-        if (std::strcmp(objects_[i].name, choice.object) == 0) {
-          d.object[static_cast<int>(choice.kernels)] = static_cast<int>(i);
+        const ExportedObject& e = objects_[i];
+        if (std::strcmp(e.object, choice.object) == 0 && e.gate_variant >= 0 &&
+            e.gate_variant < contract::kNumGateVariants) {
+          d.exports[static_cast<int>(choice.kernels)][e.gate_variant] = static_cast<int>(i);
         }
       }
     }
@@ -101,11 +103,12 @@ std::string KernelModules::LoadAll() {
   return {};
 }
 
-int KernelModules::Resolve(contract::Kernels kernels, int device, std::string* error) const {
+int KernelModules::Resolve(contract::Kernels kernels, int gate_variant, int device, std::string* error) const {
   const int request = static_cast<int>(kernels);
-  if (request < 0 || request >= contract::kNumKernels) {
-    *error = "jax_kda: unknown kernels request " + std::to_string(request) +
-             " (a jax_kda Python/extension version mismatch?)";
+  if (request < 0 || request >= contract::kNumKernels || gate_variant < 0 ||
+      gate_variant >= contract::kNumGateVariants) {
+    *error = "jax_kda: unknown kernels request " + std::to_string(request) + " or gate variant " +
+             std::to_string(gate_variant) + " (a jax_kda Python/extension version mismatch?)";
     return -1;
   }
   if (device < 0 || device >= static_cast<int>(devices_.size())) {
@@ -114,7 +117,7 @@ int KernelModules::Resolve(contract::Kernels kernels, int device, std::string* e
     return -1;
   }
   const Device& d = devices_[device];
-  if (d.object[request] >= 0) return d.object[request];
+  if (d.exports[request][gate_variant] >= 0) return d.exports[request][gate_variant];
   std::string serves;
   for (const contract::KernelChoice& choice : contract::kKernelChoices) {
     if (choice.kernels != kernels) continue;

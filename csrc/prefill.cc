@@ -21,7 +21,7 @@ bool ReadsALog(GateMode mode) {
 }
 
 // The generated headers differ only in the prefix of their names: one traits struct per export.
-#define JAX_KDA_PREFILL_TRAITS(P, ARCH)                                                             \
+#define JAX_KDA_PREFILL_TRAITS(P, OBJECT, ARCH, GATE_VARIANT)                                       \
   struct P##_traits {                                                                             \
     using Module = jax_kda_##P##_Kernel_Module_t;                                                 \
     using Q = jax_kda_##P##_Tensor_q_t;                                                           \
@@ -44,7 +44,8 @@ bool ReadsALog(GateMode mode) {
 JAX_KDA_FOR_EACH_KERNEL_OBJECT(JAX_KDA_PREFILL_TRAITS)
 #undef JAX_KDA_PREFILL_TRAITS
 
-#define JAX_KDA_PREFILL_OBJECT(P, ARCH) {#P, ARCH, P##_traits::Init, P##_traits::LoadToDevice, &P##_traits::module.module},
+#define JAX_KDA_PREFILL_OBJECT(P, OBJECT, ARCH, GATE_VARIANT) \
+  {#P, OBJECT, ARCH, GATE_VARIANT, P##_traits::Init, P##_traits::LoadToDevice, &P##_traits::module.module},
 const ExportedObject kPrefillObjects[] = {JAX_KDA_FOR_EACH_KERNEL_OBJECT(JAX_KDA_PREFILL_OBJECT)};
 #undef JAX_KDA_PREFILL_OBJECT
 
@@ -99,7 +100,7 @@ cudaError_t Launch(const PrefillParams& p, cudaStream_t stream) {
 }
 
 using LaunchFn = cudaError_t (*)(const PrefillParams&, cudaStream_t);
-#define JAX_KDA_PREFILL_LAUNCH(P, ARCH) &Launch<P##_traits>,
+#define JAX_KDA_PREFILL_LAUNCH(P, OBJECT, ARCH, GATE_VARIANT) &Launch<P##_traits>,
 const LaunchFn kLaunches[] = {JAX_KDA_FOR_EACH_KERNEL_OBJECT(JAX_KDA_PREFILL_LAUNCH)};
 #undef JAX_KDA_PREFILL_LAUNCH
 

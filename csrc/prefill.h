@@ -19,8 +19,8 @@ struct PrefillParams {
   const void* q;              // bf16 [total_tokens, num_qk_heads, 128]
   const void* k;              // bf16 [total_tokens, num_qk_heads, 128]
   const void* v;              // bf16 [total_tokens, num_v_heads, 128]
-  const void* g;              // bf16 [total_tokens, num_v_heads, 128]
-  const void* beta;           // bf16 [total_tokens, num_v_heads]
+  const void* g;              // bf16 or fp32 [total_tokens, num_v_heads, 128] (the export's gate variant)
+  const void* beta;           // bf16 or fp32 [total_tokens, num_v_heads] (likewise)
   const float* a_log;         // [num_v_heads]; read by the gate modes of kGateModesWithALog
   const float* dt_bias;       // [num_v_heads * 128]; read by every gate mode but kPreactivated
   const int32_t* cu_seqlens;  // [units + 1] offsets (units = num_sequences * num_segments); with kVarlen
@@ -65,9 +65,9 @@ inline int64_t PrefillWorkspaceBytes(int64_t total_tokens, int64_t num_sequences
 // The process-wide loader of the prefill kernel objects (kda_kernel_objects.h).
 KernelModules& PrefillModules();
 
-// Enqueues the call's kernels on `stream` with the exported object `object` (an index into
-// PrefillModules()'s objects). The caller has validated `params`, loaded the modules and resolved
-// `object` for the device. Returns the launch status.
+// Enqueues the call's kernels on `stream` with the export `object` (an index into PrefillModules()'s
+// objects). The caller has validated `params`, loaded the modules and resolved `object` for the
+// device and the dtypes of g and beta. Returns the launch status.
 cudaError_t LaunchPrefill(const PrefillParams& params, int object, cudaStream_t stream);
 
 }  // namespace jax_kda

@@ -121,9 +121,10 @@ def _driver_reason() -> str | None:
     return driver_incompatibility(module.cuda_driver_version(), module.cuda_runtime_version(), _has_cuda_devices())
 
 
-def kernel_objects() -> tuple[tuple[str, str], ...]:
-    """The kernel objects linked into the extension, as (name, compiler target) pairs (e.g.
-    ``("prefill_wgmma_sm_90a", "sm_90a")``); empty when the kernels are unavailable."""
+def kernel_objects() -> tuple[tuple[str, str, str, int], ...]:
+    """The kernel exports linked into the extension (`contract.KERNEL_EXPORTS`), as (export name,
+    kernel object, compiler target, gate variant) tuples (e.g. ``("prefill_wgmma_sm_90a_g_f32_beta_bf16",
+    "prefill_wgmma_sm_90a", "sm_90a", 2)``); empty when the kernels are unavailable."""
     module = _initialize()[0]
     return tuple(tuple(o) for o in module.kernel_objects()) if module is not None else ()
 
@@ -131,7 +132,7 @@ def kernel_objects() -> tuple[tuple[str, str], ...]:
 def compiled_archs() -> tuple[str, ...]:
     """The GPU architectures the kernels were compiled for (e.g. ``("sm_90a", "sm_100f", "sm_110f")``), in the
     order of the contract's architectures; empty when the kernels are unavailable."""
-    built = {arch for _, arch in kernel_objects()}
+    built = {arch for _, _, arch, _ in kernel_objects()}
     return tuple(arch.name for arch in contract.ARCHS if arch.name in built)
 
 

@@ -81,9 +81,11 @@ def argument_limits(cfg: PrefillConfig) -> list[str]:
     d = contract.HEAD_DIM
     if cfg.head_k != d or cfg.head_v != d:
         reasons.append(f"the kernels need K == V == {d}, got K={cfg.head_k}, V={cfg.head_v}")
-    for name, dtype in (("q, k, v", cfg.dtype), ("g", cfg.g_dtype), ("beta", cfg.beta_dtype)):
-        if dtype != contract.DTYPE:
-            reasons.append(f"the kernels need {name} in {contract.DTYPE}, got {dtype}")
+    if cfg.dtype != contract.DTYPE:
+        reasons.append(f"the kernels need q, k, v in {contract.DTYPE}, got {cfg.dtype}")
+    for name, dtype in (("g", cfg.g_dtype), ("beta", cfg.beta_dtype)):
+        if dtype not in contract.GATE_DTYPES:
+            reasons.append(f"the kernels need {name} in {' or '.join(contract.GATE_DTYPES)}, got {dtype}")
     if cfg.has_initial_state and cfg.initial_state_dtype != contract.STATE_DTYPE:
         reasons.append(f"the kernels need initial_state in {contract.STATE_DTYPE}, got {cfg.initial_state_dtype}")
     if cfg.num_seqs > contract.MAX_GRID_YZ or cfg.num_v_heads > contract.MAX_GRID_YZ:

@@ -35,6 +35,8 @@ class Workload:
     l2norm: bool = True
     beta_sigmoid: bool = True
     dtype: str = "bfloat16"
+    g_dtype: str | None = None  # default: bfloat16 for bf16 inputs (as models usually pass it), else float32
+    beta_dtype: str | None = None  # likewise
 
     @property
     def num_v_heads(self) -> int:
@@ -48,11 +50,13 @@ class Workload:
 def make_inputs(w: Workload, rng: np.random.Generator) -> tuple[tuple, dict]:
     """Returns `(args, kwargs)` for `jax_kda.prefill(*args, **kwargs)` as jax arrays.
 
-    q/k/v are drawn in float32 and cast to `w.dtype`; g and beta are float32 (bfloat16 when
-    `w.dtype` is bfloat16, as the kernels take them), A_log/dt_bias/initial_state float32.
+    q/k/v are drawn in float32 and cast to `w.dtype`; g and beta in `w.g_dtype` / `w.beta_dtype`
+    (default: bfloat16 when `w.dtype` is bfloat16, else float32), A_log/dt_bias/initial_state float32.
     """
     dtype = jnp.dtype(w.dtype)
-    gate_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
+    default_gate_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
+    g_dtype = jnp.dtype(w.g_dtype) if w.g_dtype else default_gate_dtype
+    beta_dtype = jnp.dtype(w.beta_dtype) if w.beta_dtype else default_gate_dtype
     if w.seqlens is not None:
         b, t = 1, sum(w.seqlens)
         n = len(w.seqlens)
@@ -107,8 +111,8 @@ def make_inputs(w: Workload, rng: np.random.Generator) -> tuple[tuple, dict]:
         jnp.asarray(q, dtype),
         jnp.asarray(k, dtype),
         jnp.asarray(v, dtype),
-        jnp.asarray(g, gate_dtype),
-        jnp.asarray(beta, gate_dtype),
+        jnp.asarray(g, g_dtype),
+        jnp.asarray(beta, beta_dtype),
     )
     return args, kwargs
 
@@ -144,6 +148,18 @@ ACCURACY_MATRIX = (
     W("packed_mixed", seqlens=(13, 0, 64, 1, 100, 0, 31, 16, 17), heads=3, v_heads=12, **_D),
     W("packed_leading_empty", seqlens=(0, 0, 250, 17), gate="softplus", state_v_first=True, **_D),
     W("packed_all_empty", seqlens=(0, 0), **_D),
+    # fp32 and mixed g / beta (a gate computed in fp32 apart from the model's bf16 activations), every
+    # gate form, packed too; the kernels read them as given.
+    W("f32_gates_lower_bound", seqlen=300, g_dtype="float32", beta_dtype="float32", **_D),
+    W("f32_gates_softplus_long_memory", seqlen=2048, gate="softplus", long_memory=True, g_dtype="float32",
+      beta_dtype="float32", **_D),
+    W("f32_gates_pre_minus60", seqlen=300, gate="preactivated", decay_floor=-60.0, g_dtype="float32",
+      beta_dtype="float32", **_D),
+    W("f32_g_bf16_beta_no_a_log", seqlen=300, gate="lower_bound_no_a_log", g_dtype="float32", **_D),
+    W("bf16_g_f32_beta_flags_off", seqlen=100, l2norm=False, beta_sigmoid=False, gate="preactivated",
+      beta_dtype="float32", **_D),
+    W("f32_gates_packed_mixed", seqlens=(13, 0, 64, 1, 100, 0, 31, 16, 17), heads=3, v_heads=12,
+      g_dtype="float32", beta_dtype="float32", **_D),
 )
 
 # Intracard context parallelism forced onto small shapes: (workload, segments per sequence).
@@ -158,6 +174,8 @@ SEGMENTED_MATRIX = (
     # A long combine chain (16 segments, two sequences, a given state; 80-token segments, the last
     # shorter).
     (W("seg_16_dense_b2", batch=2, seqlen=1250, heads=3, **_D), 16),
+    (W("seg_f32_gates_packed", seqlens=(13, 0, 250, 1, 100), heads=3, v_heads=6, gate="softplus",
+       g_dtype="float32", beta_dtype="float32", **_D), 4),
 )
 
 
@@ -199,7 +217,8 @@ def check_against_gold(label: str, w: Workload, args, kwargs, o, final, bar: flo
     return o_err, s_err
 
 
-def _grid_case(name: str, heads: int, seqlen: int = 0, seqlens: tuple[int, ...] | None = None) -> Workload:
+def _grid_case(name: str, heads: int, seqlen: int = 0, seqlens: tuple[int, ...] | None = None,
+               gate_dtype: str | None = None) -> Workload:
     return Workload(
         name,
         seqlen=seqlen,
@@ -211,10 +230,18 @@ def _grid_case(name: str, heads: int, seqlen: int = 0, seqlens: tuple[int, ...] 
         lower_bound=-5.0,
         state_v_first=True,
         dtype="bfloat16",
+        g_dtype=gate_dtype,
+        beta_dtype=gate_dtype,
     )
 
 
 MIXED_SEQLENS = (1300, 547, 2048, 963, 271, 3063)
+# A serving batch of short prompts: 48 of 100-900 tokens (drawn once, uniformly; 20757 tokens in all).
+SHORT_MIXED_SEQLENS = (
+    431, 254, 504, 766, 149, 174, 648, 196, 474, 696, 159, 619, 319, 138, 188, 544, 528, 171, 346,
+    192, 664, 534, 160, 679, 226, 328, 745, 742, 696, 163, 690, 699, 506, 150, 326, 147, 670, 236,
+    396, 529, 247, 653, 220, 684, 415, 673, 798, 285,
+)
 
 # The benchmark grid (benchmarks/BENCHMARK_H200.md): D = 128, bf16, lower-bound gate -5 with gate /
 # beta sigmoid / l2norm in the kernel, fp32 initial and final state in the [N, H, V, K] layout.
@@ -231,21 +258,34 @@ BENCHMARK_GRID = (
     _grid_case("h16_8x4k", 16, seqlens=(4096,) * 8),
 )
 
-# Two more shapes of the 64- and 96-head serving regime (64 heads, mixed and 8 x 1K packed),
-# benchmarked next to the grid.
+# More shapes of the serving regime, benchmarked next to the grid: 64 heads mixed and 8 x 1K packed,
+# short prompts, long 96-head prompts.
 EXTRA_CASES = (
     _grid_case("h64_mixed", 64, seqlens=MIXED_SEQLENS),
     _grid_case("h64_8x1k", 64, seqlens=(1024,) * 8),
+    # Batches of short prompts (where each recurrence CTA runs few steps) and 96 heads at 32K.
+    _grid_case("h32_128x128", 32, seqlens=(128,) * 128),
+    _grid_case("h32_short_mixed", 32, seqlens=SHORT_MIXED_SEQLENS),
+    _grid_case("h96_fixed32k", 96, seqlen=32768),
 )
-BENCHMARK_CASES = {w.name: w for w in BENCHMARK_GRID + EXTRA_CASES}
+# What fp32 g and beta cost (a gate computed in fp32 apart from the model): grid shapes with both fp32.
+GATE_DTYPE_CASES = (
+    _grid_case("h96_fixed8k_f32gates", 96, seqlen=8192, gate_dtype="float32"),
+    _grid_case("h32_fixed8k_f32gates", 32, seqlen=8192, gate_dtype="float32"),
+    _grid_case("h8_fixed64k_f32gates", 8, seqlen=65536, gate_dtype="float32"),
+)
+BENCHMARK_CASES = {w.name: w for w in BENCHMARK_GRID + EXTRA_CASES + GATE_DTYPE_CASES}
 
 
 def hbm_floor_bytes(w: Workload) -> int:
-    """Fewest bytes a prefill must move: q, k, v, raw g, beta read once, o written once (bf16),
-    the fp32 state read and written once per sequence."""
+    """Fewest bytes a prefill must move: q, k, v, raw g, beta read once, o written once (q's dtype;
+    g, beta in theirs), the fp32 state read and written once per sequence."""
     t, h, hv, k, v = w.total_tokens, w.heads, w.num_v_heads, w.head_k, w.head_v
     n = len(w.seqlens) if w.seqlens is not None else w.batch
-    per_token = 2 * (2 * h * k + hv * v + hv * k + hv + hv * v)
+    size = jnp.dtype(w.dtype).itemsize
+    g_size = jnp.dtype(w.g_dtype).itemsize if w.g_dtype else size
+    beta_size = jnp.dtype(w.beta_dtype).itemsize if w.beta_dtype else size
+    per_token = size * (2 * h * k + 2 * hv * v) + g_size * hv * k + beta_size * hv
     return t * per_token + 2 * 4 * n * hv * k * v
 
 

@@ -51,11 +51,12 @@ def test_auto_on_a_gpu_without_kernels_takes_the_xla_path_and_says_why(built, cc
 
 
 def test_argument_limits_name_argument_and_limit():
-    reasons = dispatch.argument_limits(_cfg(dtype=jnp.float32, d=64, g_dtype=jnp.float32))
+    reasons = dispatch.argument_limits(_cfg(dtype=jnp.float32, d=64, g_dtype=jnp.float16))
     assert "the kernels need K == V == 128, got K=64, V=64" in reasons
     assert "the kernels need q, k, v in bfloat16, got float32" in reasons
-    assert "the kernels need g in bfloat16, got float32" in reasons
+    assert "the kernels need g in bfloat16 or float32, got float16" in reasons
     assert dispatch.argument_limits(_cfg()) == []
+    assert dispatch.argument_limits(_cfg(g_dtype=jnp.float32)) == []  # fp32 gates: the kernels read them
 
 
 def test_argument_limits_name_the_grid_limit_on_sequences(built):

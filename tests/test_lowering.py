@@ -25,12 +25,13 @@ pytestmark = pytest.mark.skipif(_native.unavailable_reason() is not None,
                                 reason=f"kernels not built: {_native.unavailable_reason()}")
 
 
-def _call(*, packed=False, initial_state=True, output_final_state=True, d=128, **flags):
+def _call(*, packed=False, initial_state=True, output_final_state=True, d=128, g_dtype=jnp.bfloat16,
+          beta_dtype=jnp.bfloat16, **flags):
     """(function of the arrays, their ShapeDtypeStructs) for a prefill with the given flags."""
     b, t, h, hv = (1, 300, 4, 12) if packed else (2, 100, 4, 12)
     n = 5 if packed else b
     arrays = dict(q=S((b, t, h, d), jnp.bfloat16), k=S((b, t, h, d), jnp.bfloat16), v=S((b, t, hv, d), jnp.bfloat16),
-                  g=S((b, t, hv, d), jnp.bfloat16), beta=S((b, t, hv), jnp.bfloat16),
+                  g=S((b, t, hv, d), g_dtype), beta=S((b, t, hv), beta_dtype),
                   A_log=S((hv,), jnp.float32), dt_bias=S((hv * d,), jnp.float32))
     if packed:
         arrays["cu_seqlens"] = S((n + 1,), jnp.int32)
@@ -109,6 +110,22 @@ def test_export_from_a_cpu_host_carries_the_kernels_for_cuda(platforms, calls):
     exported = jax.export.export(jax.jit(f), platforms=platforms, disabled_checks=NO_TARGET_CHECK)(*specs)
     assert len(_custom_calls(exported.mlir_module())) == calls
     assert exported.platforms == tuple(platforms)
+
+
+@pytest.mark.parametrize("g_dtype,beta_dtype", [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16),
+                                                 (jnp.bfloat16, jnp.float32)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fp32_and_mixed_gates_export_for_cuda_as_the_kernel_reading_them_as_given(g_dtype, beta_dtype, packed):
+    """fp32 g / beta (a separately computed gate) go to the kernel as they are: no convert before the call."""
+    f, specs = _call(packed=packed, g_dtype=g_dtype, beta_dtype=beta_dtype)
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=NO_TARGET_CHECK)(*specs)
+    text = exported.mlir_module()
+    (call,) = _custom_calls(text)
+    g_type = "f32" if g_dtype == jnp.float32 else "bf16"
+    beta_type = "f32" if beta_dtype == jnp.float32 else "bf16"
+    b, t = (1, 300) if packed else (2, 100)
+    assert f"tensor<{b}x{t}x12x128x{g_type}>" in call and f"tensor<{b}x{t}x12x{beta_type}>" in call
+    assert "stablehlo.convert" not in text
 
 
 def test_explicit_kernel_backend_exports_for_cuda_and_refuses_other_platforms():

@@ -30,7 +30,13 @@ def test_extension_is_built_against_ffi_api_0_4_with_every_kernel_object():
     extension = _native.load()
     assert _native.unavailable_reason() is None
     assert tuple(extension.ffi_api_version()) == (0, 4)
-    assert _native.kernel_objects() == tuple((o.name, o.arch.name) for o in contract.KERNEL_OBJECTS)
+    assert _native.kernel_objects() == tuple((e.name, e.object.name, e.object.arch.name, i % len(contract.GATE_VARIANTS))
+                                             for i, e in enumerate(contract.KERNEL_EXPORTS))
+    # Every kernel object in every pair of gate dtypes, in the order the C++ side indexes them.
+    assert [(e.object, e.gates) for e in contract.KERNEL_EXPORTS] == [
+        (o, contract.GateDtypes(g, b)) for o in contract.KERNEL_OBJECTS for g in contract.GATE_DTYPES
+        for b in contract.GATE_DTYPES]
+    assert [contract.gate_variant(v.g, v.beta) for v in contract.GATE_VARIANTS] == [0, 1, 2, 3]
     assert _native.compiled_archs() == ("sm_90a", "sm_100f", "sm_110f")
 
 
@@ -42,11 +48,11 @@ def test_running_jaxlib_accepts_the_extension_ffi_api():
 
 @requires_extension
 def test_extension_embeds_a_cubin_for_each_kernel_object():
-    # One cubin per exported object, of the object's architecture: the wgmma prefill on sm_90a, the
-    # mma.sync prefill as family cubins for sm_100f and sm_110f (the ELF flags say "f", not "a"), and
-    # the same mma.sync kernels built for sm_90a (to test them there).
+    # One cubin per export, of its object's architecture: the wgmma prefill on sm_90a, the mma.sync
+    # prefill as family cubins for sm_100f and sm_110f (the ELF flags say "f", not "a"), and the same
+    # mma.sync kernels built for sm_90a (to test them there); each in the four pairs of gate dtypes.
     archs = [cubin_arch(c) for c in embedded_cubins(pathlib.Path(_native.load().__file__).read_bytes())]
-    assert sorted(archs) == sorted(o.arch.name for o in contract.KERNEL_OBJECTS)
+    assert sorted(archs) == sorted(e.object.arch.name for e in contract.KERNEL_EXPORTS)
 
 
 @requires_extension
@@ -165,8 +171,12 @@ def test_the_contract_header_carries_every_constant_and_enum_value():
         for member in enum:
             assert f" = {int(member)}," in header.split(f"enum class {enum.__name__} ")[1].split("};")[0]
     objects = contract.render_kernel_objects_header()
-    for obj in contract.KERNEL_OBJECTS:
-        assert f'#include "{obj.name}.h"' in objects and f'X({obj.name}, "{obj.arch.name}")' in objects
+    for i, e in enumerate(contract.KERNEL_EXPORTS):
+        assert f'#include "{e.name}.h"' in objects
+        assert f'X({e.name}, "{e.object.name}", "{e.object.arch.name}", {i % len(contract.GATE_VARIANTS)})' in objects
+    variants = header.split("kGateVariants[] = {")[1].split("};")[0]
+    assert [line.strip() for line in variants.splitlines()[1:]] == [
+        f"{{GateDtype::k{v.g.capitalize()}, GateDtype::k{v.beta.capitalize()}}}," for v in contract.GATE_VARIANTS]
 
 
 def test_no_csrc_file_restates_a_contract_constant():

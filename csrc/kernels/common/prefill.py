@@ -1,9 +1,10 @@
 """KDA prefill (K = V = 128): the ahead-of-time entry point that launches the kernels of one call.
 
-`build/aot_compile.py` compiles `prefill` once per `kda_contract.KERNEL_OBJECTS` entry, with that
-architecture's recurrence class (`RECURRENCE` of `sm90/prefill.py` or `sm100/prefill.py`) as its
-compile-time argument. Every size is symbolic and every flag a runtime value, so one object serves
-every shape and flag combination. The exported C function enqueues, on the caller's stream:
+`build/aot_compile.py` compiles `prefill` once per `kda_contract.KERNEL_EXPORTS` entry: a kernel
+object's architecture, its recurrence class (`RECURRENCE` of `sm90/prefill.py` or `sm100/prefill.py`)
+as a compile-time argument, and one pair of g / beta dtypes (the gate variant: only prepare_chunks
+reads them). Every size is symbolic and every flag a runtime value, so one export serves every shape
+and flag combination of its gate dtypes. The exported C function enqueues, on the caller's stream:
 
     Phase.WHOLE    prepare_chunks, then the recurrence from initial_state: o and the final state
     Phase.SUMMARY  prepare_chunks, the summary recurrence (every segment's B and M), then
@@ -98,7 +99,7 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
             units, dense_len, flags, scale, lower_bound,
         ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream,
                  # The largest carveout: the persistent grid assumes CTAS_PER_SM fit at once
-                 # (4 x (44 944 + 1 024 reserved) B of shared memory).
+                 # (prepare_chunks.shared_memory_bytes: 4 x (53 136 + 1 024 reserved) B at most).
                  preferred_smem_carveout=100)
     if units * num_v_heads > 0:
         # Segmented calls: per-segment B and M, then start states, after the regions above.
@@ -125,8 +126,9 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
                 dense_len, flags, stream)
 
 
-def compile_arguments(recurrence) -> tuple:
-    """The arguments of `cute.compile(prefill, ...)`: every size symbolic, so one object serves all."""
+def compile_arguments(recurrence, gates) -> tuple:
+    """The arguments of `cute.compile(prefill, ...)` for one export: every size symbolic, so one
+    object serves all; g and beta in the dtypes of `gates` (a `kda_contract.GateDtypes`)."""
     tokens, q_heads, v_heads, seqs, seqs_plus_one = (cute.sym_int32() for _ in range(5))
     ws_len = cute.sym_int64()
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -139,8 +141,8 @@ def compile_arguments(recurrence) -> tuple:
         tensor(bf16, (tokens, q_heads, HEAD_DIM)),               # q
         tensor(bf16, (tokens, q_heads, HEAD_DIM)),               # k
         tensor(bf16, (tokens, v_heads, HEAD_DIM)),               # v
-        tensor(bf16, (tokens, v_heads, HEAD_DIM)),               # g
-        tensor(bf16, (tokens, v_heads)),                         # beta
+        tensor(_DTYPES[gates.g], (tokens, v_heads, HEAD_DIM)),   # g
+        tensor(_DTYPES[gates.beta], (tokens, v_heads)),          # beta
         tensor(f32, (v_heads,)),                                 # A_log
         tensor(f32, (v_heads, HEAD_DIM)),                        # dt_bias
         tensor(cutlass.Int32, (seqs_plus_one,)),                 # cu_seqlens

@@ -2,7 +2,9 @@
 
 Work items are (chunk slot, value head) pairs; persistent CTAs of 128 threads stride over them
 (grid: up to CTAS_PER_SM per SM), prefetching the next item's raw q, k, g tiles with cp.async
-into a second shared-memory stage while they process the current one. In the element-wise phases
+into a second shared-memory stage while they process the current one. g and beta come in bf16 or
+fp32 (each its own compile-time variant: the tensors' element types); they are converted to fp32
+as loaded, so both give the same arithmetic from there on. In the element-wise phases
 thread d owns key/value channel d; the 16 x 16 and 16 x 128 products run on tensor cores (warp-level
 `mma.sync m16n8k8` TF32, fp32 accumulate). It turns the raw inputs of one 16-token chunk into the
 operands of the serial recurrence (`recurrence.py`), all independent of the state:
@@ -77,8 +79,18 @@ MMA_K = 8  # m16n8k8 TF32
 CTAS_PER_SM = PREPARE_CTAS_PER_SM
 INPUT_TILES = 3       # q, k, g (v goes from the input straight to the recurrence)
 INPUT_STAGES = 2
-INPUT_STAGES_BYTES = INPUT_STAGES * INPUT_TILES * CHUNK * HEAD_DIM * 2   # 24 576
-COPIES_PER_THREAD = INPUT_TILES * CHUNK * HEAD_DIM // 8 // THREADS      # 6 x 16 bytes
+QK_TILE_BYTES = CHUNK * HEAD_DIM * 2  # a bf16 q or k tile [16, 128]: 4 096
+
+
+def stage_bytes(g_bytes: int) -> int:
+    """One input stage: the q and k tiles, then the g tile in g's dtype (2 or 4 bytes an element):
+    12 288 B with bf16 g, 16 384 B with fp32 g."""
+    return 2 * QK_TILE_BYTES + CHUNK * HEAD_DIM * g_bytes
+
+
+def copies_per_thread(elem_bytes: int) -> int:
+    """16-byte cp.async copies per thread for one [16, 128] tile of `elem_bytes`-byte elements."""
+    return CHUNK * HEAD_DIM * elem_bytes // 16 // THREADS
 
 # Phases 2-3 use three factor tiles [16 tokens, 128 channels] fp32 (rows of FACTOR_PITCH words),
 # phases 4-5 one operand tile k 2^G [128 channels, 16 tokens] fp32 (rows of OPERAND_PITCH words).
@@ -88,15 +100,16 @@ FACTOR_TILE_BYTES = CHUNK * FACTOR_PITCH * 4      # 8 448
 OPERAND_TILE_BYTES = HEAD_DIM * OPERAND_PITCH * 4  # 10 240
 FACTOR_TILES_BYTES = 2 * FACTOR_TILE_BYTES         # the CTA's own region: 16 896
 assert OPERAND_TILE_BYTES <= FACTOR_TILES_BYTES
-assert FACTOR_TILE_BYTES <= INPUT_TILES * CHUNK * HEAD_DIM * 2  # factor tile 2 over the stage's q, k, g
-assert COPIES_PER_THREAD == 2 * INPUT_TILES  # issue_input_loads: two 16-byte copies per thread and tile
+assert FACTOR_TILE_BYTES <= stage_bytes(2)  # factor tile 2 over the stage's q, k, g
 
 
-def shared_memory_bytes() -> int:
-    """Shared memory of one CTA: the two input stages, two factor tiles (reused for an operand
-    tile), L [16, 17], W [16, 20], beta, the l2-norm partial sums and norms, the fast-path vote."""
-    return (INPUT_STAGES_BYTES + FACTOR_TILES_BYTES + CHUNK * (CHUNK + 1) * 4 + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4
-            + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4)
+def shared_memory_bytes(g_bytes: int) -> int:
+    """Shared memory of one CTA (g in `g_bytes`-byte elements): the two input stages, two factor
+    tiles (reused for an operand tile), L [16, 17], W [16, 20], beta, the l2-norm partial sums and
+    norms, the fast-path vote. 44 944 B with bf16 g, 53 136 B with fp32 g: CTAS_PER_SM fit either
+    way (4 x (53 136 + 1 024 reserved) B <= 228 KB)."""
+    return (INPUT_STAGES * stage_bytes(g_bytes) + FACTOR_TILES_BYTES + CHUNK * (CHUNK + 1) * 4
+            + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4 + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4)
 
 
 @cute.jit
@@ -191,21 +204,25 @@ def advance_item(slot: Int32, hv: Int32, hq: Int32, r: Int32, step_slot: Int32, 
 
 
 @cute.jit
-def issue_input_loads(load_atom: cute.CopyAtom, s_stage: cute.Tensor, q: cute.Tensor, k: cute.Tensor,
-                      g: cute.Tensor, tok0: Int32, valid: Int32, hq: Int32, hv: Int32,
-                      tid: Int32):
-    """cp.async the chunk's q, k, g tiles [16 tokens, 128] into one input stage, 16 bytes per
-    copy; rows past the chunk's last valid token repeat that token (zeroed after loading)."""
+def issue_input_loads(load_atom: cute.CopyAtom, g_atom: cute.CopyAtom, s_qk: cute.Tensor, s_g: cute.Tensor,
+                      q: cute.Tensor, k: cute.Tensor, g: cute.Tensor, tok0: Int32, valid: Int32, hq: Int32,
+                      hv: Int32, tid: Int32):
+    """cp.async the chunk's q, k tiles (into `s_qk` [2, 16, 128]) and g tile (into `s_g` [16, 128],
+    g's dtype) of one input stage, 16 bytes per copy; rows past the chunk's last valid token repeat
+    that token (zeroed after loading)."""
     if valid > 0:
-        for j in cutlass.range_constexpr(COPIES_PER_THREAD):
-            tile = j // 2
-            piece = tid + THREADS * (j % 2)
-            row = piece // (HEAD_DIM // 8)
-            col = piece % (HEAD_DIM // 8)
-            t = tok0 + cutlass.min(row, valid - 1)
-            src = (q, k, g)[tile][t, (hq, hq, hv)[tile], None]
-            cute.copy(load_atom, cute.local_tile(src, (8,), (col,)),
-                      cute.local_tile(s_stage[tile, row, None], (8,), (col,)))
+        for tile in cutlass.range_constexpr(INPUT_TILES):
+            src_tensor = (q, k, g)[tile]
+            per_copy = 128 // src_tensor.element_type.width  # elements per 16-byte copy
+            for j in cutlass.range_constexpr(copies_per_thread(src_tensor.element_type.width // 8)):
+                piece = tid + THREADS * j
+                row = piece // (HEAD_DIM // per_copy)
+                col = piece % (HEAD_DIM // per_copy)
+                t = tok0 + cutlass.min(row, valid - 1)
+                src = src_tensor[t, (hq, hq, hv)[tile], None]
+                dst = s_g[row, None] if tile == 2 else s_qk[tile, row, None]
+                cute.copy(g_atom if tile == 2 else load_atom, cute.local_tile(src, (per_copy,), (col,)),
+                          cute.local_tile(dst, (per_copy,), (col,)))
 
 
 @dsl_user_op
@@ -241,10 +258,10 @@ def load_fragments(tile: cute.Tensor, row: Int32, col: Int32, frag: cute.Tensor,
 @cute.jit
 def load_head_scalars(beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, tok0: Int32,
                       valid: Int32, hv: Int32, d: Int32, gate_mode: Int32):
-    """Thread d's raw beta of token d (d < 16, bf16), A_log[hv] and dt_bias[hv, d] for one item,
+    """Thread d's raw beta of token d (d < 16, beta's dtype), A_log[hv] and dt_bias[hv, d] for one item,
     as loaded. Issued one item ahead (in the item before's phase 2), they are first used after the
     item's CTA barrier: never waited for."""
-    b = cutlass.BFloat16(0.0)
+    b = beta.element_type(0.0)
     a_log_hv = Float32(0.0)
     bias = Float32(0.0)
     if valid > 0:
@@ -261,8 +278,8 @@ def load_head_scalars(beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tenso
 def prepare_chunks_kernel(
     q: cute.Tensor,          # [T, H, 128] bf16
     k: cute.Tensor,          # [T, H, 128] bf16
-    g: cute.Tensor,          # [T, HV, 128] bf16
-    beta: cute.Tensor,       # [T, HV] bf16
+    g: cute.Tensor,          # [T, HV, 128] bf16 or fp32
+    beta: cute.Tensor,       # [T, HV] bf16 or fp32
     a_log: cute.Tensor,      # [HV] fp32
     dt_bias: cute.Tensor,    # [HV, 128] fp32
     cu_seqlens: cute.Tensor,  # [N + 1] int32 (read only with Flag.VARLEN)
@@ -293,11 +310,11 @@ def prepare_chunks_kernel(
     items = (total_tokens // CHUNK + num_seqs) * num_v_heads
 
     smem = cutlass.memory.SmemAllocator()
-    # Raw input tiles, two stages of [q, k, g][16 tokens][128] bf16: 2 x 12 288 B.
-    s_in = smem.allocate_tensor(
-        cutlass.BFloat16,
-        cute.make_layout((INPUT_STAGES, INPUT_TILES, CHUNK, HEAD_DIM),
-                         stride=(INPUT_TILES * CHUNK * HEAD_DIM, CHUNK * HEAD_DIM, HEAD_DIM, 1)), 16)
+    # Raw input tiles, two stages of [q, k][16 tokens][128] bf16 then g [16 tokens][128] in g's
+    # dtype: 2 x 12 288 B (bf16 g) or 2 x 16 384 B (fp32 g).
+    stage_elems = stage_bytes(g.element_type.width // 8) // 2
+    s_in = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((INPUT_STAGES, stage_elems),
+                                                                   stride=(stage_elems, 1)), 16)
     # Factor tiles [0] k (or k 2^(G-ref)), [1] q (or q 2^(G-ref)): 2 x 16 x 132 x 4 B = 16 896 B
     # (the third, G or k 2^(ref-G), is in the item's input stage: prepare_one). The fast path
     # stores TF32 bits, the slow path floats. After phase 3 the same bytes hold the operand tile
@@ -314,6 +331,7 @@ def prepare_chunks_kernel(
     # cp.async.cg: 16-byte copies that skip L1 (each byte is read once).
     load_atom = cute.make_copy_atom(cpasync.CopyG2SOp(LoadCacheMode.GLOBAL), cutlass.BFloat16,
                                     num_bits_per_copy=128)
+    g_atom = cute.make_copy_atom(cpasync.CopyG2SOp(LoadCacheMode.GLOBAL), g.element_type, num_bits_per_copy=128)
 
     # Item coordinates: item = slot * HV + hv, hv = hq * group + r (hq: the q/k head). A CTA's
     # items step by num_ctas; the step is split the same way once, here.
@@ -333,7 +351,8 @@ def prepare_chunks_kernel(
     item = first_item
     tok0, valid, seq, bos, eos, next_base = locate_item(
         item, slot, items, cu_seqlens, num_seqs, dense_len, total_tokens, varlen, seq, bos, eos, next_base)
-    issue_input_loads(load_atom, s_in[0, None, None, None], q, k, g, tok0, valid, hq, hv, d)
+    issue_input_loads(load_atom, g_atom, stage_qk(s_in, 0), stage_g(s_in, 0, g.element_type), q, k, g,
+                      tok0, valid, hq, hv, d)
     cute.arch.cp_async_commit_group()
     beta_raw, a_log_hv, bias = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, gate_mode)
     stage = Int32(0)
@@ -348,19 +367,19 @@ def prepare_chunks_kernel(
         n_tok0, n_valid, seq, bos, eos, next_base = locate_item(
             next_item, n_slot, items, cu_seqlens, num_seqs, dense_len, total_tokens, varlen,
             seq, bos, eos, next_base)
-        issue_input_loads(load_atom, s_in[1 - stage, None, None, None], q, k, g, n_tok0, n_valid,
-                          n_hq, n_hv, d)
+        issue_input_loads(load_atom, g_atom, stage_qk(s_in, 1 - stage), stage_g(s_in, 1 - stage, g.element_type),
+                          q, k, g, n_tok0, n_valid, n_hq, n_hv, d)
         cute.arch.cp_async_commit_group()
         # The next item's beta, A_log, dt_bias are loaded inside prepare_one, after this item's
         # last use of its own (phase 1): ptxas gives every such load one scoreboard, and the
         # first use of this item's values (first item: still in flight from the prologue)
         # would otherwise wait for the next item's loads just issued.
-        n_beta_raw = cutlass.BFloat16(0.0)
+        n_beta_raw = beta.element_type(0.0)
         n_a_log_hv = Float32(0.0)
         n_bias = Float32(0.0)
         if valid > 0:
             n_beta_raw, n_a_log_hv, n_bias = prepare_one(
-                s_in[stage, None, None, None], s_fac, s_lower,
+                stage_qk(s_in, stage), stage_g(s_in, stage, g.element_type), s_fac, s_lower,
                 s_w_bits, s_beta, s_norm, s_rnorm, s_fast,
                 neg_kw_out, qd_out, kr_out, mqk_out, w_hi_out, w_lo_out, decay_out,
                 slot, hv, valid, beta_raw, a_log_hv, bias, num_v_heads, d, warp, lane,
@@ -377,18 +396,32 @@ def prepare_chunks_kernel(
 
 
 @cute.jit
-def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, s_w_bits: cute.Tensor,
+def stage_qk(s_in: cute.Tensor, stage: Int32) -> cute.Tensor:
+    """The q, k tiles [2, 16 tokens, 128] bf16 of input stage `stage`."""
+    return cute.make_tensor(s_in[stage, None].iterator,
+                            cute.make_layout((2, CHUNK, HEAD_DIM), stride=(CHUNK * HEAD_DIM, HEAD_DIM, 1)))
+
+
+@cute.jit
+def stage_g(s_in: cute.Tensor, stage: Int32, dtype: cutlass.Constexpr) -> cute.Tensor:
+    """The g tile [16 tokens, 128] of input stage `stage`, in g's dtype, after its q, k tiles."""
+    ptr = cute.recast_ptr(s_in[stage, None].iterator + 2 * CHUNK * HEAD_DIM, dtype=dtype)
+    return cute.make_tensor(ptr, cute.make_layout((CHUNK, HEAD_DIM), stride=(HEAD_DIM, 1)))
+
+
+@cute.jit
+def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, s_w_bits: cute.Tensor,
                 s_beta: cute.Tensor,
                 s_norm: cute.Tensor, s_rnorm: cute.Tensor, s_fast: cute.Tensor,
                 neg_kw_out: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
                 w_hi_out: cute.Tensor, w_lo_out: cute.Tensor, decay_out: cute.Tensor,
-                slot: Int32, hv: Int32, valid: Int32, beta_raw: cutlass.BFloat16, a_log_hv: Float32,
+                slot: Int32, hv: Int32, valid: Int32, beta_raw, a_log_hv: Float32,
                 bias: Float32,
                 num_v_heads: Int32, d: Int32, warp: Int32, lane: Int32, flags: Int32, gate_mode: Int32,
                 scale: Float32, lower_bound: Float32,
                 beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, next_tok0: Int32,
                 next_valid: Int32, next_hv: Int32):
-    """All five phases for one item whose raw tiles are in `s_stage` (CTA-uniform call). Returns the
+    """All five phases for one item whose raw tiles are in `s_stage` (q, k) and `s_g` (g) (CTA-uniform call). Returns the
     next item's (`next_*`) raw beta, A_log, dt_bias, loaded once phase 1 no longer needs this one's."""
     row0 = (slot * num_v_heads + hv) * CHUNK
     # Shared tiles (see FACTOR_TILES_BYTES): factor tiles 0, 1 and then the operand tile k 2^G in
@@ -416,7 +449,7 @@ def prepare_one(s_stage: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, 
     for i in cutlass.range_constexpr(CHUNK):
         q_r[i] = s_stage[0, i, d].to(Float32)
         k_r[i] = s_stage[1, i, d].to(Float32)
-        cum[i] = s_stage[2, i, d].to(Float32)
+        cum[i] = s_g[i, d].to(Float32)
     # Log2 decay from the gate (softplus and pre-activated gates give the natural log first);
     # one loop per mode so that each computes only its own.
     if gate_mode == GateMode.SOFTPLUS:
