@@ -134,6 +134,13 @@ def zero_values_past_end(s_v: cute.Tensor, stage: Int32, valid: Int32, tidx: Int
     even when the next sequence's values are not finite. The fence orders these generic-proxy
     writes before the async-proxy reads (wgmma); the stage is not refilled after a CTA's last
     chunk, but if it were, the same fence would order them before that TMA write."""
+    # Every MMA thread is past its reads of this stage's earlier contents. The pipeline already
+    # orders them before these writes (consumer release -> producer's refill by TMA -> this chunk's
+    # consumer wait), but compute-sanitizer's racecheck does not follow that chain through the TMA
+    # and reported it as a race in the mma.sync summary kernel, whose chunk loop has no other named
+    # barrier. One named barrier, once a CTA and only before a partial last chunk, is an order
+    # racecheck sees.
+    cute.arch.barrier(barrier_id=VALUES_BARRIER, number_of_threads=MMA_THREADS)
     # One 16-byte store a thread: token tt, values 8 part .. 8 part + 7 (contiguous under the
     # tile's 128-byte swizzle, which moves whole 16-byte units).
     tt = tidx // (V_SLICE // 8)
