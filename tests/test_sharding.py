@@ -49,16 +49,20 @@ def _specs(w: Workload, batch, heads):
 
 
 def _assert_close(got, want):
-    """Equal up to float rounding: on CPU the XLA path's fp32 reductions are fused and ordered by
-    XLA per shape, so a shard's sums can round differently from the whole call's (err_ratio ~1e-5,
-    a few bf16 flips of o; the kernels compute every (sequence, head) the same way in both)."""
+    """Equal up to float rounding. On CPU the XLA path's fp32 reductions are fused and ordered by
+    XLA per shape, so a shard's sums round differently from the whole call's (the kernels compute
+    every (sequence, head) the same way in both). The fp32 final state, never rounded further, then
+    agrees to err_ratio <= 1e-4 (measured ~1e-6). o is that fp32 result rounded to bf16: wherever
+    the two fp32 values straddle a bf16 rounding boundary they round one bf16 step apart (up to
+    2^-7 relative), so o is held to 2^-8, half of what every element one step apart would give;
+    a wrong shard (another head's or sequence's values, a lost state) is off by O(1)."""
     for a, b in zip(got, want):
         if b is None:
             assert a is None
             continue
         err = gold.err_ratio(np.asarray(jnp.asarray(a, jnp.float32), np.float64),
                              np.asarray(jnp.asarray(b, jnp.float32), np.float64))
-        assert err <= 1e-4, err
+        assert err <= (2.0**-8 if a.dtype == jnp.bfloat16 else 1e-4), err
 
 
 CASES = [
