@@ -352,6 +352,54 @@ def render_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The performance goals the report checks (the project's targets for this GPU): a time bound for the
+# 96-head 8K prefill, and 2x FlashKDA wherever sequences x heads fill the GPU, on batches of short
+# prompts and on 96 heads at 32K tokens.
+GOAL_H96_FIXED8K_US = 700.0
+GOAL_VS_FLASHKDA = 2.0
+GOAL_CASES_VS_FLASHKDA = ("h32_128x128", "h32_short_mixed", "h96_fixed32k")
+
+
+def render_goals(rows: list[dict]) -> str | None:
+    """Each goal with the measured value and whether it is met (None when no row bears on one)."""
+    rows = [with_ratios(r) for r in rows]
+    by_case = {r["case"]: r for r in rows}
+    lines = ["| goal | case | measured | met |", "|---|---|---|---|"]
+    if "h96_fixed8k" in by_case:
+        t = by_case["h96_fixed8k"]["jax_kda_us"]
+        lines.append(f"| <= {GOAL_H96_FIXED8K_US:.0f} µs | h96_fixed8k | {t:.0f} µs | "
+                     f"{'yes' if t <= GOAL_H96_FIXED8K_US else f'no ({t - GOAL_H96_FIXED8K_US:.0f} µs over)'} |")
+    for r in rows:
+        ratio = r.get("speedup_vs_flashkda")
+        wide = r.get("sequences", 1) * r["heads"] >= 64
+        if ratio is None or not (wide or r["case"] in GOAL_CASES_VS_FLASHKDA):
+            continue
+        why = "N x H >= 64" if wide else "short prompts / long 96-head prompt"
+        verdict = "yes" if ratio >= GOAL_VS_FLASHKDA else f"no ({GOAL_VS_FLASHKDA / ratio:.2f}x short)"
+        lines.append(f"| >= {GOAL_VS_FLASHKDA:.0f}x FlashKDA ({why}) | {r['case']} | {ratio:.2f}x | {verdict} |")
+    return "\n".join(lines) if len(lines) > 2 else None
+
+
+def render_bytes_per_token_head() -> str:
+    """What the two kernels move per (token, value head) at H == HV, from the contract: the inputs
+    prepare reads, the workspace it writes and the recurrence reads back, v and o."""
+    from jax_kda import contract
+
+    d = contract.HEAD_DIM
+    workspace = contract.WORKSPACE_BYTES_PER_ROW // contract.CHUNK
+    qk = 2 * d * 2
+    rows = [("prepare reads q, k (bf16)", qk), ("prepare reads g (bf16 / fp32)", f"{d * 2} / {d * 4}"),
+            ("prepare reads beta (bf16 / fp32)", "2 / 4"), ("prepare writes the workspace", workspace),
+            ("recurrence reads the workspace (once from HBM; each V slice's CTA reads it)", workspace),
+            ("recurrence reads v (bf16)", d * 2), ("recurrence writes o (bf16)", d * 2)]
+    lines = ["| what | bytes per token-head |", "|---|---|"] + [f"| {what} | {n} |" for what, n in rows]
+    floor = qk + d * 2 + 2 + 2 * d * 2
+    total = qk + d * 2 + 2 + 2 * workspace + 2 * d * 2
+    lines += ["", f"With bf16 gates: {total} B per token-head in all, against {floor} B for the inputs and "
+                  f"output alone (the HBM floor, states aside): the workspace hand-off is {2 * workspace} B of it."]
+    return "\n".join(lines)
+
+
 def render_agreement(rows: list[dict]) -> str | None:
     """The agreement table (err_ratio of each peer's o and final state against jax_kda's)."""
     peers = [(p, label) for p, label in (("flashkda", "FlashKDA"), ("fla", "FLA"))
@@ -444,9 +492,9 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
     timing = ("device time" if not wall else
               f"device time, except wall time where none could be taken ({', '.join(wall)}; see results.json)")
     lines += [
-        "Cases: `jax_kda.testing.BENCHMARK_CASES` (D = K = V = 128, bf16 q / k / v / raw g / beta, lower-bound "
-        "gate -5 with A_log, gate + beta sigmoid + q/k l2norm in the kernel, fp32 initial and final state in the "
-        f"`[N, H, V, K]` layout). Times are µs per call, {timing}; "
+        "Cases: `jax_kda.testing.BENCHMARK_CASES` (D = K = V = 128, bf16 q / k / v / raw g / beta (fp32 g and "
+        "beta in the `_f32gates` cases), lower-bound gate -5 with A_log, gate + beta sigmoid + q/k l2norm in the "
+        f"kernel, fp32 initial and final state in the `[N, H, V, K]` layout). Times are µs per call, {timing}; "
         "\"vs X\" is X's time / jax_kda's; plan is the kernels' V split and segments per sequence (intracard "
         "context parallelism); per-kernel columns are jax_kda's kernels; — means not run.",
         "",
@@ -455,6 +503,11 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
     ]
     if results_dir is not None and meta.get("plot", True):
         lines += [f"![time per case, log scale, with the HBM floor]({link('prefill.png')})", ""]
+    goals = render_goals(rows)
+    if goals:
+        lines += ["## Goals", "", "The project's performance targets on this GPU, checked against this run:", "",
+                  goals, ""]
+    lines += ["## Bytes moved per token-head", "", render_bytes_per_token_head(), ""]
     agreement = render_agreement(rows)
     if agreement:
         lines += ["## Agreement (checked before timing)", "",
