@@ -55,7 +55,9 @@ METHOD = (
     "longest axis. All implementations get the same arrays (torch tensors shared with JAX by DLPack), and "
     "their outputs are compared with jax_kda's (err_ratio of o and of the final state) before anything is "
     "timed. HBM floor: the fewest bytes a prefill moves (q, k, v, raw g, beta read once, o written once, "
-    "states read and written once) over 4.3 TB/s, the copy bandwidth measured on the H200."
+    "states read and written once) over 4.3 TB/s, the copy bandwidth measured on the H200. The XLA path "
+    "(backend=\"xla\", with --xla) is timed the same way on 2 of the sets (its calls take milliseconds, so L2 "
+    "plays no part; a case whose program does not fit in device memory is marked not run)."
 )
 
 
