@@ -314,6 +314,7 @@ def main():
     print(f"jax_kda build {meta['commit']} on {meta['device']}, {meta['date']}", flush=True)
     rng = np.random.default_rng()
     rows = []
+    table = ""
     for w in cases:
         row = run_case(w, args, rng)
         rows.append(row)

@@ -8,7 +8,7 @@ CMake runs it at build time, on a machine that needs no GPU:
     aot_compile.py --out-dir DIR      compiles every kda_contract.KERNEL_EXPORTS entry (a kernel object
                                       for one pair of gate dtypes) with symbolic sizes and exports it
                                       (export_to_c) as DIR/<name>.h and .o, one process per export
-                                      (JAX_KDA_BUILD_JOBS of them at once; default: the CPU count)
+                                      (JAX_KDA_BUILD_JOBS of them at once; default: the CPUs it may use)
     aot_compile.py --out-dir DIR --check
                                       the same, keeping the PTX and cubins under DIR/dump, then prints
                                       each kernel's registers (and spills, with a local ptxas) and
@@ -108,7 +108,10 @@ def _compile_export(export, out_dir: str, dump_dir: str | None) -> str:
 
 def compile_all(out_dir: pathlib.Path, dump_dir: pathlib.Path | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = int(os.environ.get("JAX_KDA_BUILD_JOBS") or os.cpu_count() or 1)
+    # The CPUs this process may use (a container's limit, not the host's count), at most one per export.
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    requested = int(os.environ.get("JAX_KDA_BUILD_JOBS") or 0)
+    jobs = max(1, min(requested if requested >= 1 else usable, len(contract.KERNEL_EXPORTS)))
     started = time.perf_counter()
     print(f"aot_compile: compiling {len(contract.KERNEL_EXPORTS)} kernel exports, {jobs} at a time", flush=True)
     # Spawned workers, one export each: nothing of the DSL is shared between compilations.

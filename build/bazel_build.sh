@@ -15,7 +15,8 @@
 #   PYTHON              the Python 3.12 to make the virtualenv with (default: python3.12)
 #   JAX_KDA_BAZEL_DIR   where the virtualenv and Bazel's output base go (default: $TMPDIR/jax_kda_bazel,
 #                       TMPDIR defaulting to /tmp); delete it to build from scratch
-#   JAX_KDA_BUILD_JOBS  how many kernel exports are compiled at once (default: the CPU count)
+#   JAX_KDA_BUILD_JOBS  how many kernel exports are compiled at once (default: the CPUs this process may use)
+#   JAX_KDA_BAZEL_SHUTDOWN  1: stop the Bazel server when done (default: it stays up 10 idle minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -45,24 +46,38 @@ fi
 
 # --- 2. Bazel --------------------------------------------------------------------------------------
 build_options=(--repo_env=JAX_KDA_PYTHON="$venv/bin/python")
-# A system CUDA toolkit is hidden from every action, which only the Linux sandbox can do: required then.
+# A system CUDA toolkit is hidden from every action, which only the Linux sandbox can do (it needs
+# namespaces: where the machine has none, say so and build beside the toolkit, which the build does not
+# look for anyway).
 hidden=()
 for toolkit in /usr/local/cuda*; do
   [ -e "$toolkit" ] && hidden+=(--sandbox_block_path="$toolkit")
 done
-[ ${#hidden[@]} -eq 0 ] || build_options+=(--spawn_strategy=linux-sandbox "${hidden[@]}")
+if [ ${#hidden[@]} -gt 0 ]; then
+  if unshare --user --map-root-user --mount true 2>/dev/null || unshare --mount true 2>/dev/null; then
+    build_options+=(--spawn_strategy=linux-sandbox "${hidden[@]}")
+  else
+    echo "bazel_build.sh: no namespaces for Bazel's Linux sandbox: building beside the CUDA toolkit, not hiding it" >&2
+  fi
+fi
 run_bazel() {
   # Unset: what would point the configuration of the C++ toolchain, or build_env.py, at a CUDA toolkit.
   # The Bazel server, with its caches, stays up for 10 idle minutes.
   env -u CPATH -u C_INCLUDE_PATH -u CPLUS_INCLUDE_PATH -u LIBRARY_PATH -u CUDA_HOME -u CUDA_PATH \
     bazel --output_base="$work/output_base" --max_idle_secs=600 "$@"
 }
+package=""
+cleanup() {
+  [ -z "$package" ] || rm -rf "$package"
+  # JAX_KDA_BAZEL_SHUTDOWN=1 (CI): stop the server on the way out, success or not.
+  [ "${JAX_KDA_BAZEL_SHUTDOWN:-0}" != 1 ] || run_bazel shutdown >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
 run_bazel build "${build_options[@]}" //:jax_kda_ext
 extension=$(run_bazel info "${build_options[@]}" bazel-bin)/_jax_kda_ext.abi3.so
 
 # --- 3. Import -------------------------------------------------------------------------------------
 package=$(mktemp -d "$work/import.XXXXXX")
-trap 'rm -rf "$package"' EXIT
 cp -r jax_kda "$package/"
 cp "$extension" "$package/jax_kda/"
 PYTHONPATH="$package" "$venv/bin/python" -P - <<'EOF'

@@ -2,9 +2,9 @@
 // ("jax_kda_prefill").
 //
 // Operands, results and attributes are those jax_kda/kernel.py emits (absent optional operands come
-// as empty arrays, and the flags say which are read). The `kernels` attribute says which exported
-// object the call asks for (contract::Kernels): the handler resolves it against the device the call
-// runs on, so one lowered program serves Hopper and Blackwell, and a device the kernels do not
+// as empty arrays, and the flags say which are read). The `kernels` attribute says which kernel
+// object the call asks for (contract::Kernels), and the dtypes of g and beta which of its gate variants
+// (contract::kGateVariants): the handler resolves both against the device the call runs on, so one lowered program serves Hopper and Blackwell, and a device the kernels do not
 // support gets an error that says so. The `phase` attribute selects what the call does
 // (contract::Phase): the whole prefill, or one of the two calls of a segmented prefill, which run
 // over num_sequences x num_segments segments (cu_seqlens then holds their offsets; the apply call's
@@ -94,8 +94,8 @@ ffi::Error CheckAttrs(const PrefillAttrs& a) {
 }
 
 // Runs once per call site when XLA builds the executable, outside any CUDA graph capture, which is
-// where loading cubins onto devices is allowed. The loader also resolves, per device, which object
-// serves each `kernels` request; the execute stage looks its device up.
+// where loading cubins onto devices is allowed. The loader also resolves, per device, which export
+// serves each `kernels` request and gate variant; the execute stage looks its device up.
 ffi::Error PrefillInstantiate(PrefillAttrs attrs) {
   if (ffi::Error error = CheckAttrs(attrs); error.failure()) return error;
   if (const std::string& error = PrefillModules().Load(); !error.empty()) return ffi::Error::Internal(error);
@@ -103,6 +103,9 @@ ffi::Error PrefillInstantiate(PrefillAttrs attrs) {
 }
 
 // The gate variant (index into contract::kGateVariants) reading g and beta in these dtypes, or -1.
+// contract::GateDtype's values are bf16 and fp32, in that order (jax_kda/contract.py GATE_DTYPES).
+static_assert(static_cast<int>(contract::GateDtype::kFloat32) == 1 && contract::kNumGateVariants == 4,
+              "a gate dtype was added to the contract: map its ffi::DataType here");
 int GateVariantOf(ffi::DataType g, ffi::DataType beta) {
   auto gate_dtype = [](ffi::DataType t) {
     switch (t) {

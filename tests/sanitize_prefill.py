@@ -29,6 +29,10 @@ from jax_kda.testing import SEGMENTED_MATRIX, ACCURACY_MATRIX, Workload, check_a
 MULTI_ITEM = Workload("multi_item", seqlen=1200, heads=8, head_k=128, head_v=128)
 MULTI_ITEM_F32 = Workload("multi_item_f32_gates_packed", seqlens=(700, 0, 13, 500), heads=8, head_k=128,
                           head_v=128, g_dtype="float32", beta_dtype="float32")
+# The same stage reuse within racecheck's --max-tokens 600: 160 tokens x 64 heads = 704 items.
+SHORT_MULTI_ITEM = Workload("short_multi_item", seqlen=160, heads=64, head_k=128, head_v=128)
+SHORT_MULTI_ITEM_F32 = Workload("short_multi_item_f32_gates", seqlen=160, heads=64, head_k=128, head_v=128,
+                                g_dtype="float32", beta_dtype="float32")
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--max-tokens", type=int, default=None)
@@ -36,7 +40,8 @@ limit = parser.parse_args().max_tokens
 seed = int(os.environ.get("JAX_KDA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 print(f"JAX_KDA_TEST_SEED={seed}")
 rng = np.random.default_rng(seed)
-cases = [(w, None) for w in (*ACCURACY_MATRIX, MULTI_ITEM, MULTI_ITEM_F32)] + list(SEGMENTED_MATRIX)
+cases = [(w, None) for w in (*ACCURACY_MATRIX, MULTI_ITEM, MULTI_ITEM_F32, SHORT_MULTI_ITEM, SHORT_MULTI_ITEM_F32)]
+cases += list(SEGMENTED_MATRIX)
 failed = 0
 for w, segments in cases:
     if limit is not None and w.total_tokens > limit:

@@ -54,7 +54,7 @@ def _assert_close(got, want):
     every (sequence, head) the same way in both). The fp32 final state, never rounded further, then
     agrees to err_ratio <= 1e-4 (measured ~1e-6). o is that fp32 result rounded to bf16: wherever
     the two fp32 values straddle a bf16 rounding boundary they round one bf16 step apart (up to
-    2^-7 relative), so o is held to 2^-8, half of what every element one step apart would give;
+    2^-7 relative), so o is held to 2^-8, the least that every element one step apart would give;
     a wrong shard (another head's or sequence's values, a lost state) is off by O(1)."""
     for a, b in zip(got, want):
         if b is None:

@@ -74,7 +74,7 @@ MMA_K = 8  # m16n8k8 TF32
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
 # one. Measured on the H200 (96 heads x 8K, prepare alone, version 8): 3 CTAs per SM 673 us; 4 CTAs
-# per SM 639 us. Since v left the stages a CTA needs 44 944 B of shared memory, so registers (128
+# per SM 639 us. Since v left the stages a CTA needs 44 944 B of shared memory (53 136 B with fp32 g), so registers (128
 # a thread for 4 CTAs of 128 threads) are the limit; 5 CTAs held to 96 registers measured no faster.
 CTAS_PER_SM = PREPARE_CTAS_PER_SM
 INPUT_TILES = 3       # q, k, g (v goes from the input straight to the recurrence)
@@ -101,6 +101,8 @@ OPERAND_TILE_BYTES = HEAD_DIM * OPERAND_PITCH * 4  # 10 240
 FACTOR_TILES_BYTES = 2 * FACTOR_TILE_BYTES         # the CTA's own region: 16 896
 assert OPERAND_TILE_BYTES <= FACTOR_TILES_BYTES
 assert FACTOR_TILE_BYTES <= stage_bytes(2)  # factor tile 2 over the stage's q, k, g
+# issue_input_loads: whole 16-byte copies per thread for every tile dtype (bf16 q, k; bf16 or fp32 g).
+assert all(CHUNK * HEAD_DIM * size % (16 * THREADS) == 0 for size in (2, 4))
 
 
 def shared_memory_bytes(g_bytes: int) -> int:
