@@ -35,6 +35,7 @@ def prefill(
     lower_bound=None,
     use_beta_sigmoid_in_kernel=False,
     state_v_first=False,
+    state_in_place=False,
     backend="auto",
 ):
     """KDA (Kimi Delta Attention) forward over whole sequences; the contract is docs/prefill.md.
@@ -74,6 +75,11 @@ def prefill(
       lower_bound: float in [-5, 0).
       use_beta_sigmoid_in_kernel: apply sigmoid to beta.
       state_v_first: states are laid out `[N, HV, V, K]`.
+      state_in_place: the kernels write the final state into initial_state's buffer (needs both).
+        Pair it with donating initial_state (`jax.jit(..., donate_argnums=...)`); a state that is
+        not donated is then first copied by XLA, a full read and write of the state. Default
+        False: the final state is a new buffer, so a state that is not donated costs no copy.
+        The XLA path and segmented kernel calls ignore it (docs/prefill.md, "Donation").
       backend: "auto": the kernels when the call is within their limits and they are installed,
         lowered for CUDA (the FFI handler picks the Hopper or Blackwell build on the device it runs
         on) and the XLA path when lowered for any other platform; the XLA path at once when the
@@ -115,6 +121,7 @@ def prefill(
         lower_bound=lower_bound,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         state_v_first=state_v_first,
+        state_in_place=state_in_place,
         backend=backend,
     )
     ops = Operands(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state)

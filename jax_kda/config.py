@@ -29,6 +29,7 @@ STATIC_ARGNAMES = (
     "lower_bound",
     "use_beta_sigmoid_in_kernel",
     "state_v_first",
+    "state_in_place",
     "backend",
 )
 
@@ -58,6 +59,7 @@ class PrefillConfig:
     initial_state_dtype: str | None
     output_final_state: bool
     varlen: bool
+    state_in_place: bool = False  # the kernels write the final state into initial_state's buffer
 
     @property
     def group_size(self) -> int:
@@ -163,6 +165,7 @@ def validate(
     lower_bound=None,
     use_beta_sigmoid_in_kernel=False,
     state_v_first=False,
+    state_in_place=False,
     backend="auto",
 ) -> PrefillConfig:
     """Checks a `prefill` call against the contract (docs/prefill.md) and returns its `PrefillConfig`.
@@ -214,6 +217,13 @@ def validate(
     use_gate = _static_bool("use_gate_in_kernel", use_gate_in_kernel)
     use_beta_sigmoid = _static_bool("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
     state_v_first = _static_bool("state_v_first", state_v_first)
+    state_in_place = _static_bool("state_in_place", state_in_place)
+    if state_in_place and (initial_state is None or not output_final_state):
+        raise ValueError(
+            "state_in_place=True writes the final state into initial_state's buffer, so it needs "
+            f"initial_state and output_final_state=True; got initial_state="
+            f"{'None' if initial_state is None else 'an array'}, output_final_state={output_final_state}"
+        )
 
     if cu_seqlens is None:
         n = b
@@ -296,4 +306,5 @@ def validate(
         initial_state_dtype=None if state_dtype is None else state_dtype.name,
         output_final_state=output_final_state,
         varlen=cu_seqlens is not None,
+        state_in_place=state_in_place,
     )

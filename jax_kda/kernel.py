@@ -30,8 +30,10 @@ are empty):
      segment's.
 
 The workspace is an extra result of each custom call (XLA allocates it; the primitive drops it).
-When an initial state is given and the final state requested, an unsegmented call aliases the two
-(`operand_output_aliases`), so a donated initial state is updated in place.
+With `state_in_place` (`PrefillConfig`), an unsegmented call aliases the initial and final states
+(`operand_output_aliases`), so a donated initial state is updated in place; a state that is not
+donated would first be copied by XLA, so by default the final state is a new buffer. The pieces of a
+call cut along T always update the carried state in place (it is an intermediate of the program).
 
 Differentiation: the forward is the kernel; tangents and cotangents are the XLA path's
 (`_jvp`: `jax.jvp` of `xla_backend.prefill`, which recomputes its forward). A backward kernel
@@ -111,8 +113,10 @@ def _dt_bias_operand(cfg: PrefillConfig, dt_bias):
 
 
 def _custom_call(cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, phase: Phase, operands: dict, *,
-                 varlen: bool, state_v_first: bool, has_initial_state: bool, output_final_state: bool):
-    """One custom call over `operands` (by name; absent ones empty). Returns (o, final_state, workspace)."""
+                 varlen: bool, state_v_first: bool, has_initial_state: bool, output_final_state: bool,
+                 state_in_place: bool = False):
+    """One custom call over `operands` (by name; absent ones empty); `state_in_place` aliases the initial
+    and final states (a WHOLE call with both). Returns (o, final_state, workspace)."""
     empty = {"cu_seqlens": jnp.int32, "workspace": jnp.uint8}
     args = [operands[name] if operands.get(name) is not None else jnp.zeros((0,), empty.get(name, jnp.float32))
             for name in _CALL_OPERANDS]
@@ -123,7 +127,7 @@ def _custom_call(cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, pha
     state = (cfg.head_v, cfg.head_k) if state_v_first else (cfg.head_k, cfg.head_v)
     final_shape = (final_entries, cfg.num_v_heads, *state) if final_entries else (0,)
     aliases = {}
-    if phase == Phase.WHOLE and has_initial_state and output_final_state:
+    if state_in_place:
         aliases[_INITIAL_STATE] = _FINAL_STATE
     if phase == Phase.APPLY:
         aliases[_WORKSPACE_IN] = _WORKSPACE_OUT
@@ -173,7 +177,7 @@ def _kernel_calls(*leaves, tree, cfg: PrefillConfig, plan: RecurrencePlan, kerne
     flags = dict(has_initial_state=cfg.has_initial_state, output_final_state=cfg.output_final_state)
     if plan.num_segments == 1:
         o, final, _ = _custom_call(cfg, plan, kernels, Phase.WHOLE, operands, varlen=cfg.varlen,
-                                   state_v_first=cfg.state_v_first, **flags)
+                                   state_v_first=cfg.state_v_first, state_in_place=cfg.state_in_place, **flags)
         return [o, final] if cfg.output_final_state else [o]
 
     # Segmented: both calls see the N * S segments as one packed batch, states K-first.
@@ -210,9 +214,13 @@ def in_pieces(ops: Operands, cfg: PrefillConfig, piece_len: int, run_piece):
         b = min(a + piece_len, t)
         cut = lambda x: None if x is None else x[:, a:b]  # noqa: E731
         cu = None if ops.cu_seqlens is None else jnp.clip(jnp.asarray(ops.cu_seqlens).astype(jnp.int32), a, b) - a
+        carries = cfg.output_final_state or b < t
+        # A later piece's initial state is the one before's result, read by this piece alone: updating
+        # it in place costs no copy. The first piece's is the caller's, in place only on request.
         piece_cfg = dataclasses.replace(cfg, seqlen=b - a, has_initial_state=state is not None,
                                         initial_state_dtype=None if state is None else cfg.state_dtype,
-                                        output_final_state=cfg.output_final_state or b < t)
+                                        output_final_state=carries,
+                                        state_in_place=carries and (cfg.state_in_place if a == 0 else True))
         out = run_piece(Operands(cut(ops.q), cut(ops.k), cut(ops.v), cut(ops.g), cut(ops.beta), ops.A_log,
                                  ops.dt_bias, cu, state), piece_cfg)
         outputs.append(out[0])

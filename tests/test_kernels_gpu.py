@@ -8,6 +8,8 @@ segmentation; backend="auto" choosing the kernels; agreement with the XLA path; 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,7 +141,8 @@ def test_donated_initial_state_is_updated_in_place(fresh_seed):
     state = kwargs.pop("initial_state")
     expected = jax_kda.prefill(*args, backend="sm90", initial_state=state, **kwargs)[1]
     step = jax.jit(
-        lambda s, a: jax_kda.prefill(*a, backend="sm90", initial_state=s, **kwargs)[1], donate_argnums=0
+        lambda s, a: jax_kda.prefill(*a, backend="sm90", initial_state=s, state_in_place=True, **kwargs)[1],
+        donate_argnums=0,
     )
     donated = jnp.array(state)
     pointer = donated.unsafe_buffer_pointer()
@@ -147,6 +150,28 @@ def test_donated_initial_state_is_updated_in_place(fresh_seed):
     assert new_state.unsafe_buffer_pointer() == pointer  # the kernel wrote the final state in place
     assert donated.is_deleted()
     np.testing.assert_array_equal(np.asarray(new_state), np.asarray(expected))
+
+
+def _state_copies(compiled_text: str, shape) -> list[str]:
+    """The lines of a compiled program that copy an fp32 array of the state's shape."""
+    dims = ",".join(map(str, shape))
+    return [line for line in compiled_text.splitlines() if re.search(rf"= f32\[{dims}\]\S* copy\(", line)]
+
+
+@requires_hopper
+@pytest.mark.parametrize("donate", [False, True])
+def test_the_state_is_never_copied_when_in_place_matches_donation(donate):
+    """No XLA copy of the state around the kernel: a state that is not donated gets a new final-state
+    buffer (the default), a donated one is updated in place (state_in_place=True)."""
+    w = W("copies", seqlen=64, batch=4, **D)
+    args, kwargs = make_inputs(w, np.random.default_rng(0))
+    state = kwargs.pop("initial_state")
+    step = jax.jit(lambda s, a: jax_kda.prefill(*a, initial_state=s, state_in_place=donate, **kwargs)[1],
+                   donate_argnums=(0,) if donate else ())
+    text = step.lower(state, args).compile().as_text()
+    assert "jax_kda_prefill" in text
+    copies = _state_copies(text, state.shape)
+    assert copies == [], copies
 
 
 @requires_hopper

@@ -80,13 +80,38 @@ def test_custom_call_target_and_typed_attributes():
     }
     for name, value in expected.items():
         assert re.search(rf"\b{name} = {re.escape(value)}", call), f"{name} = {value} not in {call}"
-    # The initial state (operand 8) is updated in place as the final state (result 1).
-    assert "output_operand_aliases" in call and "operand_index = 8" in call and "output_tuple_indices = [1]" in call
+    # By default the final state is a new buffer: a state that is not donated needs no copy.
+    assert "output_operand_aliases" not in call
     # o in bf16, the final state in fp32, the workspace as uint8 (whole 16-token chunk slots).
     workspace = contract.workspace_bytes(200, 2, 1, 12)
     assert workspace == (200 // 16 + 2) * 12 * contract.WORKSPACE_BYTES_PER_ROW
     assert "tensor<2x100x12x128xbf16>" in call and "tensor<2x12x128x128xf32>" in call
     assert f"tensor<{workspace}xui8>" in call
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_state_in_place_aliases_the_initial_state_to_the_final_state(packed):
+    f, specs = _call(packed=packed, state_in_place=True)
+    (call,) = _custom_calls(_lower(f, specs))
+    # The initial state (operand 8) is updated in place as the final state (result 1).
+    assert "output_operand_aliases" in call and "operand_index = 8" in call and "output_tuple_indices = [1]" in call
+
+
+def test_pieces_along_t_carry_the_state_in_place_after_the_first():
+    """A call cut along T: each later piece updates the state the one before produced (an
+    intermediate) in place; the first piece reads the caller's state and, by default, writes a new one."""
+    s = jax.ShapeDtypeStruct
+    hv, t = 96, 180_224  # ((T // 16) + 1) * HV >= 2^20 rows: more than one kernel call's workspace
+    x = s((1, t, hv, 128), jnp.bfloat16)
+    specs = [x, x, x, x, s((1, t, hv), jnp.bfloat16), s((1, hv, 128, 128), jnp.float32)]
+
+    def f(q, k, v, g, beta, h0):
+        return jax_kda.prefill(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    calls = _custom_calls(_lower(f, specs))
+    assert len(calls) >= 2
+    assert "output_operand_aliases" not in calls[0]
+    assert all("output_operand_aliases" in c and "operand_index = 8" in c for c in calls[1:])
 
 
 def test_packed_call_passes_cu_seqlens_and_skips_absent_state():
@@ -164,7 +189,7 @@ def test_blackwell_kernels_for_hopper_are_requested_by_name():
 
     def f(q, k, v, g, beta, state, cu):
         return prefill_with_kernels(Kernels.MMA_SYNC_ON_SM90, q, k, v, g, beta, initial_state=state, cu_seqlens=cu,
-                                    output_final_state=True)
+                                    output_final_state=True, state_in_place=True)
 
     (call,) = _custom_calls(_lower(f, [q, q, q, q, beta, state, cu]))
     assert re.search(rf"\bkernels = {int(Kernels.MMA_SYNC_ON_SM90)} : i32", call) and "operand_index = 8" in call

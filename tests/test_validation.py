@@ -61,6 +61,8 @@ ERRORS = [
     ("dt_bias_shape", {}, dict(use_gate_in_kernel=True, lower_bound=-5.0, dt_bias=S((HV, K + 1), jnp.float32)), r"dt_bias must have shape \[HV, K\]"),
     ("a_log_without_gate", {}, dict(A_log=S((HV,), jnp.float32)), r"A_log is only used with use_gate_in_kernel=True"),
     ("state_shape", {}, dict(initial_state=S((B, HV, V, K), jnp.float32)), r"initial_state must have shape \[N, HV, K, V\] = \(2, 4, 16, 8\) \(N=2 = B\), got \(2, 4, 8, 16\)"),
+    ("in_place_without_state", {}, dict(state_in_place=True, output_final_state=True), r"state_in_place=True .* needs initial_state and output_final_state=True; got initial_state=None"),
+    ("in_place_without_final", {}, dict(state_in_place=True, initial_state=S((B, HV, K, V), jnp.float32)), r"state_in_place=True .* got initial_state=an array, output_final_state=False"),
     ("state_shape_v_first", {}, dict(state_v_first=True, initial_state=S((B, HV, K, V), jnp.float32)), r"initial_state must have shape \[N, HV, V, K\] = \(2, 4, 8, 16\)"),
 ]
 
