@@ -266,9 +266,10 @@ def package_version(dist: str) -> str | None:
         return None
 
 
-def run_metadata(commit: str | None = None) -> dict:
+def run_metadata(commit: str | None = None, method: str = METHOD) -> dict:
     """Date, command, GPU and software of this run. `commit`: the jax_kda build's git commit (the
-    installed wheel has no .git), default the JAX_KDA_COMMIT environment variable, else "unknown"."""
+    installed wheel has no .git), default the JAX_KDA_COMMIT environment variable, else "unknown".
+    `method`: how the script measures (default: bench_prefill's METHOD)."""
     import jax_kda
 
     device = jax.devices()[0]
@@ -293,7 +294,7 @@ def run_metadata(commit: str | None = None) -> dict:
         sms=getattr(device, "core_count", None),
         compute_capability=getattr(device, "compute_capability", None),
         versions={k: v for k, v in versions.items() if v},
-        method=METHOD,
+        method=method,
     )
 
 
