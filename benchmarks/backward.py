@@ -37,8 +37,7 @@ from jax_kda import gold  # noqa: E402
 
 # name: (sequence lengths, heads); one entry: a dense B = 1 call, several: one packed call.
 CASES = {"h32_8k": ((8192,), 32), "h32_8x1k": ((1024,) * 8, 32)}
-FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
-             use_beta_sigmoid_in_kernel=True)
+FLAGS = dict(output_final_state=True, **harness.GRID_FLAGS)
 WRT = ("q", "k", "v", "g", "beta", "initial_state")
 METHOD_NOTE = (f"one call per run, after a warm-up; device time: the median CUPTI span of {harness.PROFILED_RUNS} "
                "profiled runs (wall clock without torch); temp: the compiled program's memory_analysis()")
@@ -46,16 +45,13 @@ METHOD_NOTE = (f"one call per run, after a warm-up; device time: the median CUPT
 
 def inputs(seqlens: tuple[int, ...], h: int, key):
     t, n = sum(seqlens), len(seqlens)
-    ks = jax.random.split(key, 10)
-    x = lambda k, shape, s=1.0: (s * jax.random.normal(k, shape)).astype(jnp.bfloat16)  # noqa: E731
-    arrays = dict(q=x(ks[0], (1, t, h, 128)), k=x(ks[1], (1, t, h, 128)), v=x(ks[2], (1, t, h, 128)),
-                  g=x(ks[3], (1, t, h, 128), 2.0), beta=x(ks[4], (1, t, h)),
-                  initial_state=0.5 * jax.random.normal(ks[5], (n, h, 128, 128)))
-    fixed = dict(A_log=jax.random.uniform(ks[6], (h,), minval=-1.0, maxval=1.0),
-                 dt_bias=0.5 * jax.random.normal(ks[7], (h, 128)))
+    draw_key, cot_key = jax.random.split(key)
+    (q, k, v, g, beta), fixed = harness.device_inputs(draw_key, t, h, num_states=n)
+    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=fixed.pop("initial_state"))
     if n > 1:
         fixed["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(seqlens)]), jnp.int32)
-    cotangents = (jax.random.normal(ks[8], (1, t, h, 128)), jax.random.normal(ks[9], (n, h, 128, 128)))
+    ko, ks = jax.random.split(cot_key)
+    cotangents = (jax.random.normal(ko, (1, t, h, 128)), jax.random.normal(ks, (n, h, 128, 128)))
     return arrays, fixed, cotangents
 
 

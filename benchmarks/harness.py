@@ -66,6 +66,32 @@ METHOD = (
 _GRID_NAME = re.compile(r"h(\d+)_(?:fixed(\d+)(k?)|(\d+)x(\d+)(k?)|(mixed))")
 
 
+# The benchmark grid's flags, for the scripts that draw their own (larger) inputs on the device:
+# lower-bound gate -5 with A_log, gate, beta sigmoid and l2norm in the kernel.
+GRID_FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                  use_beta_sigmoid_in_kernel=True)
+
+
+def device_inputs(key, tokens: int, heads: int, num_states: int = 0):
+    """Random inputs for one B = 1 call of `tokens` tokens at `heads` heads (K = V = 128), drawn on
+    the device (jax.random): ((q, k, v, g, beta) in bf16, with g of scale 2, and dict(A_log,
+    dt_bias) in fp32, plus initial_state [num_states, heads, 128, 128] (scale 0.5) if num_states)."""
+    ks = jax.random.split(key, 8)
+    d = 128
+
+    def draw(k, shape, s=1.0):
+        return (s * jax.random.normal(k, shape)).astype(jnp.bfloat16)
+
+    arrays = (draw(ks[0], (1, tokens, heads, d)), draw(ks[1], (1, tokens, heads, d)),
+              draw(ks[2], (1, tokens, heads, d)), draw(ks[3], (1, tokens, heads, d), 2.0),
+              draw(ks[4], (1, tokens, heads)))
+    params = dict(A_log=jax.random.uniform(ks[5], (heads,), minval=-1.0, maxval=1.0),
+                  dt_bias=0.5 * jax.random.normal(ks[6], (heads, d)))
+    if num_states:
+        params["initial_state"] = 0.5 * jax.random.normal(ks[7], (num_states, heads, d, d))
+    return arrays, params
+
+
 def workload(name: str) -> Workload:
     """A benchmark case by name: one of `testing.BENCHMARK_CASES`, or a name of the grid's form, built
     with the grid's flags (D = 128, bf16, lower-bound gate, fp32 states, [N, H, V, K] layout):

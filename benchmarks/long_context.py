@@ -31,19 +31,13 @@ import jax_kda  # noqa: E402
 from jax_kda import gold  # noqa: E402
 
 CASES = {"h32_1m": (1 << 20, 32), "h96_256k": (1 << 18, 96), "h8_2m": (1 << 21, 8)}
-FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
-             use_beta_sigmoid_in_kernel=True, state_v_first=True)
+FLAGS = dict(output_final_state=True, state_v_first=True, **harness.GRID_FLAGS)
+METHOD_NOTE = (f"one call per run after a warm-up; wall clock: the median of --reps runs; device time: the median "
+               f"CUPTI span of {harness.PROFILED_RUNS} profiled runs (harness.measure); temp: memory_analysis()")
 
 
 def inputs(t: int, h: int, key):
-    ks = jax.random.split(key, 8)
-    x = lambda k, shape, s=1.0: (s * jax.random.normal(k, shape)).astype(jnp.bfloat16)  # noqa: E731
-    args = (x(ks[0], (1, t, h, 128)), x(ks[1], (1, t, h, 128)), x(ks[2], (1, t, h, 128)),
-            x(ks[3], (1, t, h, 128), 2.0), x(ks[4], (1, t, h)))
-    arrays = dict(A_log=jax.random.uniform(ks[5], (h,), minval=-1.0, maxval=1.0),
-                  dt_bias=0.5 * jax.random.normal(ks[6], (h, 128)),
-                  initial_state=0.5 * jax.random.normal(ks[7], (1, h, 128, 128)))
-    return args, arrays
+    return harness.device_inputs(key, t, h, num_states=1)
 
 
 def head0(args, arrays):
@@ -82,7 +76,7 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
         del a, kw, o, final, o_x, final_x
-    print(f"method: {harness.METHOD}")
+    print(f"method: {METHOD_NOTE}")
     print("| case | tokens | heads | pieces of | segments | µs per call | temp GB | inputs GB | temp / inputs | "
           "err o (head 0 vs XLA) | err state |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -92,7 +86,7 @@ def main():
               f"{temp} | {r['input_bytes'] / 1e9:.1f} | {ratio} | {r['err_o_head0']:.2e} | {r['err_state_head0']:.2e} |")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "long_context.json").write_text(json.dumps(dict(meta=harness.run_metadata(), rows=rows), indent=1))
+        (args.out / "long_context.json").write_text(json.dumps(dict(meta=harness.run_metadata(method=METHOD_NOTE), rows=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,7 @@ import harness  # noqa: E402
 import jax_kda  # noqa: E402
 from jax_kda import contract  # noqa: E402
 
-FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
-             use_beta_sigmoid_in_kernel=True)
+FLAGS = harness.GRID_FLAGS
 METHOD_NOTE = (f"one call per run on one input set (larger than the L2), after a warm-up; device time and per-kernel "
                f"times: the median of {harness.PROFILED_RUNS} profiled runs (CUPTI, harness.measure)")
 
@@ -46,17 +45,13 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
     t, h, d = args.tokens, args.heads, contract.HEAD_DIM
-    ks = jax.random.split(jax.random.key(0), 8)
-    x = lambda k, shape, s=1.0: (s * jax.random.normal(k, shape)).astype(jnp.bfloat16)  # noqa: E731
-    arrays = (x(ks[0], (1, t, h, d)), x(ks[1], (1, t, h, d)), x(ks[2], (1, t, h, d)), x(ks[3], (1, t, h, d), 2.0),
-              x(ks[4], (1, t, h)))
-    fixed = dict(A_log=jax.random.uniform(ks[5], (h,), minval=-1.0, maxval=1.0),
-                 dt_bias=0.5 * jax.random.normal(ks[6], (h, d)))
+    arrays, fixed = harness.device_inputs(jax.random.key(0), t, h)
+    state_key = jax.random.key(1)
     rows = []
     for length in map(int, args.lengths.split(",")):
         n = t // length
         cu = jnp.arange(n + 1, dtype=jnp.int32) * length
-        state = 0.5 * jax.random.normal(ks[7], (n, h, d, d))
+        state = 0.5 * jax.random.normal(state_key, (n, h, d, d))
         for with_state in (True, False):
             if with_state:
                 call = jax.jit(lambda a, s: jax_kda.prefill(*a, cu_seqlens=cu, initial_state=s, output_final_state=True,
