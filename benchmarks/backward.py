@@ -51,7 +51,7 @@ def inputs(seqlens: tuple[int, ...], h: int, key):
     if n > 1:
         fixed["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(seqlens)]), jnp.int32)
     ko, ks = jax.random.split(cot_key)
-    cotangents = (jax.random.normal(ko, (1, t, h, 128)), jax.random.normal(ks, (n, h, 128, 128)))
+    cotangents = (jax.random.normal(ko, v.shape), jax.random.normal(ks, arrays["initial_state"].shape))
     return arrays, fixed, cotangents
 
 
@@ -96,20 +96,18 @@ def main():
         row["grad_err_vs_xla"] = {n: gold.err_ratio(f64(grads["auto"][n]), f64(grads["xla"][n])) for n in WRT}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"method: {METHOD_NOTE}")
-    print("| case | tokens x heads | auto forward µs | auto fwd + bwd µs | bwd / fwd | auto temp GB (fwd / fwd + bwd) "
-          "| xla forward µs | xla fwd + bwd µs | xla temp GB (fwd / fwd + bwd) | inputs GB | worst grad err vs xla |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
     gb = lambda r: "—" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 1e9:.2f}"  # noqa: E731
+    lines = []
     for r in rows:
         af, ab, xf, xb = (r[k] for k in ("auto_forward", "auto_forward_backward", "xla_forward", "xla_forward_backward"))
-        print(f"| {r['case']} | {r['tokens']} x {r['heads']} | {af['us']:.0f} | {ab['us']:.0f} | "
-              f"{(ab['us'] - af['us']) / af['us']:.1f}x | {gb(af)} / {gb(ab)} | {xf['us']:.0f} | {xb['us']:.0f} | "
-              f"{gb(xf)} / {gb(xb)} | {r['input_bytes'] / 1e9:.2f} | {max(r['grad_err_vs_xla'].values()):.1e} |")
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "backward.json").write_text(json.dumps(dict(meta=harness.run_metadata(method=METHOD_NOTE), rows=rows), indent=1))
-
+        lines.append([r["case"], f"{r['tokens']} x {r['heads']}", f"{af['us']:.0f}", f"{ab['us']:.0f}",
+                      f"{(ab['us'] - af['us']) / af['us']:.1f}x", f"{gb(af)} / {gb(ab)}", f"{xf['us']:.0f}",
+                      f"{xb['us']:.0f}", f"{gb(xf)} / {gb(xb)}", f"{r['input_bytes'] / 1e9:.2f}",
+                      f"{max(r['grad_err_vs_xla'].values()):.1e}"])
+    harness.print_table(METHOD_NOTE, ["case", "tokens x heads", "auto forward µs", "auto fwd + bwd µs", "bwd / fwd",
+                                      "auto temp GB (fwd / fwd + bwd)", "xla forward µs", "xla fwd + bwd µs",
+                                      "xla temp GB (fwd / fwd + bwd)", "inputs GB", "worst grad err vs xla"], lines)
+    harness.save_rows(args.out, "backward.json", rows, METHOD_NOTE)
 
 if __name__ == "__main__":
     main()

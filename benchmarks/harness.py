@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kda import contract
 from jax_kda.testing import BENCHMARK_CASES, MIXED_SEQLENS, Workload, hbm_floor_bytes, make_inputs
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s: a device-to-device copy on the H200 (bytes read + written)
@@ -77,7 +78,7 @@ def device_inputs(key, tokens: int, heads: int, num_states: int = 0):
     the device (jax.random): ((q, k, v, g, beta) in bf16, with g of scale 2, and dict(A_log,
     dt_bias) in fp32, plus initial_state [num_states, heads, 128, 128] (scale 0.5) if num_states)."""
     ks = jax.random.split(key, 8)
-    d = 128
+    d = contract.HEAD_DIM
 
     def draw(k, shape, s=1.0):
         return (s * jax.random.normal(k, shape)).astype(jnp.bfloat16)
@@ -472,6 +473,22 @@ def write_plot(rows: list[dict], path: pathlib.Path, device: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def print_table(method: str, columns: list[str], lines: list[list[str]]) -> None:
+    """Prints how the rows were measured, then a markdown table of `columns` and the cells of `lines`."""
+    print(f"method: {method}")
+    print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
+    for cells in lines:
+        print("| " + " | ".join(cells) + " |")
+
+
+def save_rows(out: pathlib.Path | None, name: str, rows: list[dict], method: str = METHOD) -> None:
+    """out/name: this run's metadata (run_metadata, with `method`) and its rows; nothing if out is None."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(dict(meta=run_metadata(method=method), rows=rows), indent=1))
 
 
 def write_results(out: pathlib.Path, rows: list[dict], meta: dict) -> str:

@@ -76,18 +76,16 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
         del a, kw, o, final, o_x, final_x
-    print(f"method: {METHOD_NOTE}")
-    print("| case | tokens | heads | pieces of | segments | µs per call | temp GB | inputs GB | temp / inputs | "
-          "err o (head 0 vs XLA) | err state |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = []
     for r in rows:
         temp = "—" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 1e9:.2f}"
         ratio = "—" if r["temp_over_inputs"] is None else f"{100 * r['temp_over_inputs']:.1f}%"
-        print(f"| {r['case']} | {r['tokens']} | {r['heads']} | {r['piece_len']} | {r['segments']} | {r['us']:.0f} | "
-              f"{temp} | {r['input_bytes'] / 1e9:.1f} | {ratio} | {r['err_o_head0']:.2e} | {r['err_state_head0']:.2e} |")
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "long_context.json").write_text(json.dumps(dict(meta=harness.run_metadata(method=METHOD_NOTE), rows=rows), indent=1))
-
+        lines.append([r["case"], str(r["tokens"]), str(r["heads"]), str(r["piece_len"]), str(r["segments"]),
+                      f"{r['us']:.0f}", temp, f"{r['input_bytes'] / 1e9:.1f}", ratio, f"{r['err_o_head0']:.2e}",
+                      f"{r['err_state_head0']:.2e}"])
+    harness.print_table(METHOD_NOTE, ["case", "tokens", "heads", "pieces of", "segments", "µs per call", "temp GB",
+                                      "inputs GB", "temp / inputs", "err o (head 0 vs XLA)", "err state"], lines)
+    harness.save_rows(args.out, "long_context.json", rows, METHOD_NOTE)
 
 if __name__ == "__main__":
     main()

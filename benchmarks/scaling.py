@@ -15,7 +15,6 @@ Writes DIR/scaling.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -82,15 +81,11 @@ def main():
                    for a, b in zip(out, base) if b is not None]
             rows.append(dict(case=name, gpus=n, us=harness.best_us(timing), err_vs_1gpu=err,
                              speedup=row["us"] / harness.best_us(timing), **timing))
-    print(f"method: {harness.METHOD}")
-    print("| case | GPUs | µs per call | speed-up vs 1 GPU | err_ratio vs 1 GPU (o, state) |\n|---|---|---|---|---|")
-    for r in rows:
-        err = ", ".join(f"{e:.1e}" for e in r.get("err_vs_1gpu", ())) or "—"
-        print(f"| {r['case']} | {r['gpus']} | {r['us']:.0f} | {r.get('speedup', 1.0):.2f}x | {err} |")
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "scaling.json").write_text(json.dumps(dict(meta=harness.run_metadata(), rows=rows), indent=1))
-
+    lines = [[r["case"], str(r["gpus"]), f"{r['us']:.0f}", f"{r.get('speedup', 1.0):.2f}x",
+              ", ".join(f"{e:.1e}" for e in r.get("err_vs_1gpu", ())) or "—"] for r in rows]
+    harness.print_table(harness.METHOD, ["case", "GPUs", "µs per call", "speed-up vs 1 GPU",
+                                         "err_ratio vs 1 GPU (o, state)"], lines)
+    harness.save_rows(args.out, "scaling.json", rows)
 
 if __name__ == "__main__":
     main()

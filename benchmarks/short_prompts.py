@@ -23,7 +23,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness  # noqa: E402
@@ -66,19 +65,18 @@ def main():
                        segments=plan and plan.num_segments, **timing)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("| prompt length | prompts | states | segments | µs per call | prepare µs | recurrence µs | "
-          "recurrence ns per (chunk, head, V slice) | other µs |\n|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    lines = []
     for r in rows:
         kern = r["kernels"] or {}
-        rec = kern.get("recurrence")
-        per = None if rec is None else 1e3 * rec / (t // contract.CHUNK * h * contract.V_SPLIT)
-        print(f"| {r['prompt_len']} | {r['prompts']} | {'in + out' if r['states'] else 'none'} | {r['segments']} | "
-              f"{r['us']:.0f} | {kern.get('prepare', float('nan')):.0f} | {rec if rec is not None else float('nan'):.0f} | "
-              f"{per if per is not None else float('nan'):.2f} | {kern.get('other', float('nan')):.1f} |")
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "short_prompts.json").write_text(json.dumps(dict(meta=harness.run_metadata(method=METHOD_NOTE), rows=rows), indent=1))
-
+        rec = kern.get("recurrence", nan)
+        per = 1e3 * rec / (t // contract.CHUNK * h * contract.V_SPLIT)
+        lines.append([str(r["prompt_len"]), str(r["prompts"]), "in + out" if r["states"] else "none", str(r["segments"]),
+                      f"{r['us']:.0f}", f"{kern.get('prepare', nan):.0f}", f"{rec:.0f}", f"{per:.2f}",
+                      f"{kern.get('other', nan):.1f}"])
+    harness.print_table(METHOD_NOTE, ["prompt length", "prompts", "states", "segments", "µs per call", "prepare µs",
+                                      "recurrence µs", "recurrence ns per (chunk, head, V slice)", "other µs"], lines)
+    harness.save_rows(args.out, "short_prompts.json", rows, METHOD_NOTE)
 
 if __name__ == "__main__":
     main()

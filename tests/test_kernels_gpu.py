@@ -170,6 +170,9 @@ def test_the_state_is_never_copied_when_in_place_matches_donation(donate):
                    donate_argnums=(0,) if donate else ())
     text = step.lower(state, args).compile().as_text()
     assert "jax_kda_prefill" in text
+    # The state's arrays are in the text in the form _state_copies matches (so an empty list means
+    # no copy, not a pattern that never matches).
+    assert re.search(rf"= f32\[{','.join(map(str, state.shape))}\]\S* ", text)
     copies = _state_copies(text, state.shape)
     assert copies == [], copies
 
