@@ -167,7 +167,8 @@ def locate_item(item: Int32, slot: Int32, items: Int32, cu_seqlens: cute.Tensor,
     Measured alternative (H200, 2026-12-01, two alternating A/B rounds): the warp testing the
     next 32 sequences at once (one load a lane, one ballot) made prepare 8 % faster on 128-token
     prompts at 32 heads (426 -> 393 us) but 1.8 % slower on the many-head grid cases, where the
-    search rarely runs (h96_fixed8k 511 -> 520 us): not adopted."""
+    search rarely runs (h96_fixed8k 511 -> 520 us): not adopted
+    (benchmarks/results/h200/prepare_search_ab.txt)."""
     tok0 = Int32(0)
     valid = Int32(0)
     if item < items:
