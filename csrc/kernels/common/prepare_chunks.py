@@ -32,12 +32,13 @@ the recurrence gets W as hi + lo bf16 halves (~16 bits). Products accumulate in 
 
 Phases per item (four CTA barriers, after the one that publishes the item's stage):
     1  q, k, g from the stage (thread d: channel d, 16 tokens), gate, cumsum; l2-norm partial sums
-       (transposed warp reduction) and the fast-path vote                          -> barrier
+       (16-byte loads of the stage's rows) and the fast-path vote                  -> barrier
     2  l2 norms; factor tiles into smem; qd, kr to global                          -> barrier
     3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2) -> barrier
-    4  warp 0: forward substitution for W (TF32 to smem, hi / lo to global); every thread: its
-       channel of k 2^G as a token-contiguous row over factor tiles 0-1 (dead after phase 3) -> barrier
-    5  W application: warp w computes channels 32 w .. 32 w + 31 of neg_kw
+    4  warp 0: forward substitution for W (fp32 to smem); every thread: its channel of k 2^G as
+       a token-contiguous row over factor tiles 0-1 (dead after phase 3)            -> barrier
+    5  every thread: two entries of W as hi / lo to global; W application: warp w computes
+       channels 32 w .. 32 w + 31 of neg_kw (W rounded to TF32 as its fragments are loaded)
 
 Chunk slots: sequence n (tokens [bos_n, eos_n)) owns slots base(n) + c for its chunks c, with
 base(n) = bos_n // 16 + n. Slots never overlap and all lie below total_tokens // 16 + N, which
@@ -122,35 +123,34 @@ def tf32_bits(x: Float32) -> Int32:
 
 
 @cute.jit
-def warp_sums_of_squares(q_r: cute.Tensor, k_r: cute.Tensor, lane: Int32) -> Float32:
-    """Sums over the warp of q_r[t]^2 and k_r[t]^2 (16 tokens each, one channel a lane): lane l
-    gets value l of the 32, q tokens 0..15 on lanes 0..15 and k tokens on lanes 16..31.
+def stage_sums_of_squares(s_stage: cute.Tensor, s_norm: cute.Tensor, valid: Int32, tid: Int32):
+    """Partial l2-norm sums of the item's 32 vectors (q tokens 0..15, then k tokens 0..15), read
+    straight from the input stage: thread tid sums the squares of 32 channels of vector tid // 4
+    (four 16-byte loads: channel groups p, p + 4, p + 8, p + 12 of 8 channels, p = tid % 4) into
+    s_norm[p, vector], the layout phase 2 adds up. Vectors past the chunk's last valid token get 0.
 
-    Transposed butterfly: at each step a lane keeps half of the values it holds (the half its
-    lane bit selects) and adds its partner's copy of that half (xor 16, 8, 4, 2, 1): 16 + 8 + 4 +
-    2 + 1 = 31 shuffles, whose first step has 16 independent ones (both tensors in one pass)."""
-    vals = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-    upper = (lane & 16) != 0
-    for m in cutlass.range_constexpr(CHUNK):
-        qq = q_r[m] * q_r[m]
-        kk = k_r[m] * k_r[m]
-        keep = qq
-        send = kk
-        if upper:
-            keep = kk
-            send = qq
-        vals[m] = keep + cute.arch.shuffle_sync_bfly(send, offset=16)
-    for step in cutlass.range_constexpr(1, 5):
-        half = 16 >> step
-        upper = (lane & half) != 0
-        for m in cutlass.range_constexpr(half):
-            keep = vals[m]
-            send = vals[m + half]
-            if upper:
-                keep = vals[m + half]
-                send = vals[m]
-            vals[m] = keep + cute.arch.shuffle_sync_bfly(send, offset=half)
-    return vals[0]
+    It replaces a transposed warp butterfly over the per-channel registers (31 shuffles and 62
+    selects a thread). The loads are conflict-free: the stage's rows are 256 bytes, so every row
+    starts at bank 0, and the two rows of a quarter-warp take their four groups in orders one
+    apart, so the eight 16-byte loads of a quarter-warp cover the 32 banks once."""
+    vector = tid // 4
+    p = tid % 4
+    token = vector % CHUNK
+    row = s_stage[vector // CHUNK, token, None]
+    part = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    for j in cutlass.range_constexpr(4):
+        group = p + 4 * ((j + vector % 2) % 4)
+        values = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+        cute.autovec_copy(cute.local_tile(row, (8,), (group,)), values)
+        acc = Float32(0.0)
+        for e in cutlass.range_constexpr(8):
+            x = values[e].to(Float32)
+            acc = acc + x * x
+        part[j] = acc
+    total = (part[0] + part[1]) + (part[2] + part[3])
+    if token >= valid:
+        total = Float32(0.0)
+    s_norm[p, vector] = total
 
 
 @cute.jit
@@ -247,6 +247,12 @@ def opaque(x, *, loc=None, ip=None):
     bits = llvm.inline_asm(T.i16(), [bits], "mov.b16 $0, $1;", "=h,h", has_side_effects=True,
                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return x.dtype(arith.bitcast(x.dtype.mlir_type, bits, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def float_bits(x: Int32, *, loc=None, ip=None) -> Float32:
+    """The Float32 whose bits are x (a bit cast, no conversion)."""
+    return Float32(arith.bitcast(T.f32(), x.ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 @cute.jit
@@ -498,7 +504,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
 
     l2norm = (flags & Flag.QK_L2NORM) != 0
     if l2norm:
-        s_norm[warp, lane] = warp_sums_of_squares(q_r, k_r, lane)
+        stage_sums_of_squares(s_stage, s_norm, valid, d)
 
     # Whole-CTA vote: factorized pair products are safe iff every channel's chunk decay
     # stays within FAST_PATH_RANGE.
@@ -613,14 +619,13 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
             mqk_out[row0 + pi, pj] = (acc_qk * scale).to(cutlass.BFloat16)
     cute.arch.sync_threads()
 
-    # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c): TF32 bits to shared
-    # memory for neg_kw, and to the workspace as two bf16 tiles, hi = bf16(W), lo = bf16(W - hi)
-    # (their sum carries ~16 bits), for the recurrence's U = W v; and the W-application operand
-    # k 2^G (every thread: its channel, over the free factor tiles 0-1).
-    kd_bits = cute.make_rmem_tensor(cute.make_layout(CHUNK), Int32)
-    for i in cutlass.range_constexpr(CHUNK):
-        kd_bits[i] = tf32_bits(kd_r[i])
-    cute.autovec_copy(kd_bits, s_kd_bits[d, None])
+    # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c) to shared memory in
+    # fp32, and the W-application operand k 2^G (every thread: its channel, over the free factor
+    # tiles 0-1). Warp 0 does only the solve and one store per entry here, the rest of its work
+    # after it: the other three warps wait at the barrier for this warp alone. (Measured, H200,
+    # 96 heads x 8K: with the TF32 bits and the workspace's w_hi, w_lo also written here, the wait
+    # for warp 0 before phase 5 was the largest barrier stall of the kernel.)
+    s_w = cute.make_tensor(cute.recast_ptr(s_w_bits.iterator, dtype=Float32), s_w_bits.layout)
     if d < CHUNK:
         # Right-looking: once col[j] is final, it updates every later col[i]. Each col[i] still
         # subtracts its terms in increasing j (the same float operations, bit for bit, as the
@@ -634,19 +639,35 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
                 col[i] = col[i] - s_lower[i, j] * col[j]
         b = s_beta[d]
         for i in cutlass.range_constexpr(CHUNK):
-            w = col[i] * b
-            s_w_bits[i, d] = tf32_bits(w)
-            w_hi = w.to(cutlass.BFloat16)
-            w_hi_out[row0 + i, d] = w_hi
-            w_lo_out[row0 + i, d] = (w - w_hi.to(Float32)).to(cutlass.BFloat16)
+            s_w[i, d] = col[i] * b
+    kd_bits = cute.make_rmem_tensor(cute.make_layout(CHUNK), Int32)
+    for i in cutlass.range_constexpr(CHUNK):
+        kd_bits[i] = tf32_bits(kd_r[i])
+    cute.autovec_copy(kd_bits, s_kd_bits[d, None])
     cute.arch.sync_threads()
 
-    # ---- Phase 5: neg_kw = -W (k 2^G); warp w owns channels 32 w .. 32 w + 31.
+    # ---- Phase 5: W to the workspace as two bf16 tiles, hi = bf16(W), lo = bf16(W - hi) (their
+    # sum carries ~16 bits) for the recurrence's U = W v (thread d: two entries of row d / 8);
+    # neg_kw = -W (k 2^G) with W rounded to TF32; warp w owns channels 32 w .. 32 w + 31.
+    w_row = d // 8
+    w_pair = d % 8
+    pair_hi = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
+    pair_lo = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
+    for e in cutlass.range_constexpr(2):
+        w = s_w[w_row, 2 * w_pair + e]
+        w_hi = w.to(cutlass.BFloat16)
+        pair_hi[e] = w_hi
+        pair_lo[e] = (w - w_hi.to(Float32)).to(cutlass.BFloat16)
+    cute.autovec_copy(pair_hi, cute.local_tile(w_hi_out[row0 + w_row, None], (2,), (w_pair,)))
+    cute.autovec_copy(pair_lo, cute.local_tile(w_lo_out[row0 + w_row, None], (2,), (w_pair,)))
     frag_w = thr.make_fragment_A(thr.partition_shape_A((CHUNK, CHUNK)))
     frag_kd = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
     acc_kd = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
+    w_words = cute.make_rmem_tensor(cute.make_layout(2 * 4), Int32)
     for kb in cutlass.range_constexpr(CHUNK // MMA_K):
-        load_fragments(s_w_bits, lane % 16, kb * MMA_K + (lane // 16) * 4, frag_w, 4 * kb)
+        load_fragments(s_w_bits, lane % 16, kb * MMA_K + (lane // 16) * 4, w_words, 4 * kb)
+    for e in cutlass.range_constexpr(2 * 4):
+        frag_w[e] = tf32_bits(float_bits(w_words[e]))
     for nt in cutlass.range_constexpr(32 // 8):
         ch0 = warp * 32 + nt * 8
         # Lanes 8 j .. 8 j + 7: channels ch0 .. ch0 + 7 at tokens 4 j .. 4 j + 3.
