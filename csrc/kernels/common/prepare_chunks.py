@@ -105,6 +105,10 @@ OPERAND_TILE_BYTES = HEAD_DIM * OPERAND_PITCH * 4  # 10 240
 FACTOR_TILES_BYTES = 2 * FACTOR_TILE_BYTES         # the CTA's own region: 16 896
 assert OPERAND_TILE_BYTES <= FACTOR_TILES_BYTES
 assert FACTOR_TILE_BYTES <= stage_bytes(2)  # factor tile 2 over the stage's q, k, g
+# stage_sums_of_squares: four threads a vector (q and k tokens), 32 channels each; phase 5: two
+# of W's entries a thread.
+assert THREADS == 2 * CHUNK * 4 and HEAD_DIM == 4 * 32
+assert THREADS * 2 == CHUNK * CHUNK
 # issue_input_loads: whole 16-byte copies per thread for every tile dtype (bf16 q, k; bf16 or fp32 g).
 assert all(CHUNK * HEAD_DIM * size % (16 * THREADS) == 0 for size in (2, 4))
 
@@ -338,7 +342,7 @@ def prepare_chunks_kernel(
     s_fac = smem.allocate_tensor(
         Float32, cute.make_layout((2, CHUNK, HEAD_DIM), stride=(CHUNK * FACTOR_PITCH, FACTOR_PITCH, 1)), 16)
     s_lower = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK), stride=(CHUNK + 1, 1)), 16)  # 1 088 B
-    s_w_bits = smem.allocate_tensor(Int32, cute.make_layout((CHUNK, CHUNK), stride=(OPERAND_PITCH, 1)), 16)  # 1 280 B
+    s_w = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK), stride=(OPERAND_PITCH, 1)), 16)  # W, 1 280 B
     s_beta = smem.allocate_tensor(Float32, cute.make_layout(CHUNK), 16)                                # 64 B
     s_norm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)   # 512 B
     s_rnorm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)  # 512 B
@@ -396,7 +400,7 @@ def prepare_chunks_kernel(
         if valid > 0:
             n_beta_raw, n_a_log_hv, n_bias = prepare_one(
                 stage_qk(s_in, stage), stage_g(s_in, stage, g.element_type), s_fac, s_lower,
-                s_w_bits, s_beta, s_norm, s_rnorm, s_fast,
+                s_w, s_beta, s_norm, s_rnorm, s_fast,
                 neg_kw_out, qd_out, kr_out, mqk_out, w_hi_out, w_lo_out, decay_out,
                 slot, hv, valid, beta_raw, a_log_hv, bias, num_v_heads, d, warp, lane,
                 flags, gate_mode, scale, lower_bound,
@@ -426,7 +430,7 @@ def stage_g(s_in: cute.Tensor, stage: Int32, dtype: cutlass.Constexpr) -> cute.T
 
 
 @cute.jit
-def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, s_w_bits: cute.Tensor,
+def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, s_w: cute.Tensor,
                 s_beta: cute.Tensor,
                 s_norm: cute.Tensor, s_rnorm: cute.Tensor, s_fast: cute.Tensor,
                 neg_kw_out: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
@@ -628,7 +632,6 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     # after it: the other three warps wait at the barrier for this warp alone. (Measured, H200,
     # 96 heads x 8K: with the TF32 bits and the workspace's w_hi, w_lo also written here, the wait
     # for warp 0 before phase 5 was the largest barrier stall of the kernel.)
-    s_w = cute.make_tensor(cute.recast_ptr(s_w_bits.iterator, dtype=Float32), s_w_bits.layout)
     if d < CHUNK:
         # Right-looking: once col[j] is final, it updates every later col[i]. Each col[i] still
         # subtracts its terms in increasing j (the same float operations, bit for bit, as the
@@ -668,7 +671,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     acc_kd = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
     w_words = cute.make_rmem_tensor(cute.make_layout(2 * 4), Int32)
     for kb in cutlass.range_constexpr(CHUNK // MMA_K):
-        load_fragments(s_w_bits, lane % 16, kb * MMA_K + (lane // 16) * 4, w_words, 4 * kb)
+        load_fragments(s_w, lane % 16, kb * MMA_K + (lane // 16) * 4, w_words, 4 * kb)
     for e in cutlass.range_constexpr(2 * 4):
         frag_w[e] = tf32_bits(float_bits(w_words[e]))
     for nt in cutlass.range_constexpr(32 // 8):
