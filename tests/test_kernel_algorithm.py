@@ -163,13 +163,27 @@ def _slot_chunk_by_search(cu, n_seqs, total, slot):
     return tok0, max(min(eos - tok0, 16), 0)
 
 
+def _cursor_search(base, seq, slot, n_seqs):
+    """locate_item's search from the cursor (base(seq + 1) <= slot): gallop with doubling steps,
+    then bisect the last step, as the kernel does."""
+    lo, step = seq + 1, 1
+    while base(lo + step) <= slot:
+        lo, step = lo + step, step * 2
+    hi = min(lo + step - 1, n_seqs - 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if base(mid) <= slot else (lo, mid - 1)
+    return lo
+
+
 def test_sequence_cursor_matches_binary_search():
     """prepare_chunks' persistent CTAs find each item's sequence with a cursor that only moves
-    forward (csrc/kernels/common/prepare_chunks.py, locate_item); same chunks as a binary search."""
+    forward and a galloping search from it (csrc/kernels/common/prepare_chunks.py, locate_item);
+    same chunks as a binary search over all sequences."""
     rng = np.random.default_rng()
     big = 2**31 - 1
     for _ in range(500):
-        lens = rng.choice([0, 0, 1, 5, 16, 17, 33, 100], size=rng.integers(1, 12))
+        lens = rng.choice([0, 0, 1, 5, 16, 17, 33, 100], size=rng.integers(1, 40))
         cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
         n_seqs, total = len(lens), cu[-1]
         heads, ctas = int(rng.integers(1, 6)), int(rng.integers(1, 40))
@@ -180,15 +194,27 @@ def test_sequence_cursor_matches_binary_search():
             for item in range(first, items, ctas):
                 slot = item // heads
                 if slot >= next_base:
-                    lo, hi = seq + 1, n_seqs - 1
-                    while lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        lo, hi = (mid, hi) if base(mid) <= slot else (lo, mid - 1)
-                    seq, (bos, eos), next_base = lo, _bounds(cu, lo, total), base(lo + 1)
+                    seq = _cursor_search(base, seq, slot, n_seqs)
+                    (bos, eos), next_base = _bounds(cu, seq, total), base(seq + 1)
                 tok0 = bos + (slot - (bos // 16 + seq)) * 16
                 valid = max(min(eos - tok0, 16), 0)
                 want_tok0, want_valid = _slot_chunk_by_search(cu, n_seqs, total, slot)
                 assert valid == want_valid and (valid == 0 or tok0 == want_tok0), (cu, slot)
+
+
+def test_cursor_search_stays_in_range_on_malformed_cu_seqlens():
+    """With a cu_seqlens that is not monotone the search may pick a wrong sequence, but always one
+    after the cursor's and before the end (the kernel then clamps the bounds)."""
+    rng = np.random.default_rng()
+    big = 2**31 - 1
+    for _ in range(2000):
+        n_seqs = int(rng.integers(2, 300))
+        cu = rng.integers(-50, 5000, size=n_seqs + 1).tolist()
+        total = int(rng.integers(0, 5000))
+        base = lambda n: big if n >= n_seqs else _bounds(cu, n, total)[0] // 16 + n  # noqa: E731
+        seq = int(rng.integers(0, n_seqs - 1))
+        slot = int(rng.integers(base(seq + 1), base(seq + 1) + 400))  # the search's precondition
+        assert seq + 1 <= _cursor_search(base, seq, slot, n_seqs) <= n_seqs - 1
 
 
 def test_item_stepping_matches_division():
