@@ -1,0 +1,46 @@
+"""benchmarks/ab.py, the alternating A/B runner: its argument parsing and the file it writes (the
+runs themselves need a GPU)."""
+
+import argparse
+import importlib.util
+import pathlib
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "ab", pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab.py")
+ab = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab)
+
+
+def test_build_argument():
+    assert ab.parse_build("exp-2=dist/x.whl") == ("exp-2", pathlib.Path("dist/x.whl"))
+    for bad in ("dist/x.whl", "=x.whl", "main=", "a b=x.whl"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ab.parse_build(bad)
+
+
+def _row(case, call, prepare, recurrence, combine=None, segments=1):
+    kernels = None if prepare is None else dict(prepare=prepare, recurrence=recurrence, combine=combine or 0.0, other=0.0)
+    return dict(case=case, jax_kda_us=call, kernels=kernels, plan=dict(num_segments=segments))
+
+
+def test_render_lists_every_run_and_the_medians():
+    runs = [("main", 1, [_row("h96", 903.2, 476.4, 426.6), _row("h32_32k", 1750, 679, 1040, 24.6, 4)]),
+            ("exp", 1, [_row("h96", 890.0, 460.0, 427.0), _row("h32_32k", 1700, 633, 1041, 24.4, 4)]),
+            ("main", 2, [_row("h96", 905.0, 477.0, 427.0), _row("h32_32k", 1752, 680, 1041, 25.0, 4)]),
+            ("exp", 2, [_row("h96", 888.0, 458.0, 426.0), _row("h32_32k", None, None, None)])]
+    header = dict(date="2026-12-01", device="NVIDIA H200", reps=3, cases="h96,h32_32k", prediction="exp 3 % faster",
+                  builds=[("main", "a.whl"), ("exp", "b.whl")])
+    text = ab.render(header, runs)
+    lines = text.splitlines()
+    assert lines[0] == "# A/B of jax_kda builds, 2026-12-01, NVIDIA H200: main = a.whl, exp = b.whl"
+    assert "# Prediction before the runs: exp 3 % faster" in lines
+    assert [line for line in lines if line.startswith("== ")] == ["== main1", "== exp1", "== main2", "== exp2"]
+    # A run's rows in order; the combine column only where the plan is segmented; a missing time as a dash.
+    first = lines.index("== main1")
+    assert lines[first + 1:first + 3] == [" h96 | 903 | 476 | 427", " h32_32k | 1750 | 679 | 1040 | 25"]
+    assert lines[lines.index("== exp2") + 2] == " h32_32k | — | — | —"
+    # Medians per build over its rounds (missing values left out).
+    assert " h96 | 904 / 477 / 427 | 889 / 459 / 426" in lines
+    assert " h32_32k | 1751 / 680 / 1040 | 1700 / 633 / 1041" in lines
