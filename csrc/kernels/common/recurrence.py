@@ -95,11 +95,21 @@ def load_state(acc_s: cute.Tensor, crd_s: cute.Tensor, initial_state: cute.Tenso
                 if v0 - HEAD_DIM + vv == kk:
                     acc_s[e] = Float32(1.0)
     elif (flags & Flag.HAS_INITIAL_STATE) != 0:
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            vv, kk = crd_s[e]
-            if state_v_first:
-                acc_s[e] = initial_state[seq, hv, v0 + vv, kk]
-            else:
+        if state_v_first:
+            # [.., v, k]: the accumulator's element pairs (2 j, 2 j + 1) are k, k + 1 of one v,
+            # k even: one 8-byte load a pair. Both MMAs' C layouts have it (value mode first, its
+            # first sub-mode 2 wide and one column apart; thread column offsets 2 (t % 4)):
+            # wgmma m64n128 ((4,8,4),(2,2,16)):((128,1,16),(64,8,512)) over the 64 x 128 tile,
+            # mma.sync m16n8 ((4,8),(2,2)):((32,1),(16,8)) over its 16 x 8 atom.
+            for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):
+                vv, kk = crd_s[e]
+                pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                cute.autovec_copy(cute.local_tile(initial_state[seq, hv, v0 + vv, None], (2,), (kk // 2,)), pair)
+                acc_s[e] = pair[0]
+                acc_s[e + 1] = pair[1]
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                vv, kk = crd_s[e]
                 acc_s[e] = initial_state[seq, hv, kk, v0 + vv]
 
 
@@ -118,11 +128,16 @@ def store_state(acc_s: cute.Tensor, crd_s: cute.Tensor, final_state: cute.Tensor
             vv, kk = crd_s[e]
             final_state[2 * seq + part, hv, kk, v0 + vv] = acc_s[e]
     elif (flags & Flag.OUTPUT_FINAL_STATE) != 0:
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            vv, kk = crd_s[e]
-            if state_v_first:
-                final_state[seq, hv, v0 + vv, kk] = acc_s[e]
-            else:
+        if state_v_first:
+            for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):  # pairs, as load_state
+                vv, kk = crd_s[e]
+                pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                pair[0] = acc_s[e]
+                pair[1] = acc_s[e + 1]
+                cute.autovec_copy(pair, cute.local_tile(final_state[seq, hv, v0 + vv, None], (2,), (kk // 2,)))
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                vv, kk = crd_s[e]
                 final_state[seq, hv, kk, v0 + vv] = acc_s[e]
 
 
