@@ -205,9 +205,9 @@ class ChunkRecurrence:
       MMA warps' serial walk over the chunks, from `load_state` to `store_state`.
     """
 
-    # Launch bound: None here (ptxas lands on exactly 168 registers, the most that lets two CTAs
-    # share an SM; with the bound it spilled 8 bytes). Subclasses may set 2 to have ptxas hold them
-    # to those 168 registers.
+    # Launch bound: None here (ptxas gives the wgmma kernels 142 registers, under the 168 that let
+    # two CTAs share an SM; when they needed exactly 168, the bound made them spill 8 bytes).
+    # Subclasses may set 2 to have ptxas hold them to those 168 registers.
     min_blocks_per_sm = None
 
     def __init__(self, summary: bool = False):
