@@ -13,7 +13,8 @@ CMake runs it at build time, on a machine that needs no GPU:
                                       the same, keeping the PTX and cubins under DIR/dump, then prints
                                       each kernel's registers (and spills, with a local ptxas) and
                                       fails if a kernel needs more registers than its occupancy
-                                      allows, or an sm_90a kernel spills
+                                      allows, or an sm_90a kernel spills, or ptxas serialized a kernel's
+                                      warpgroup MMAs
     aot_compile.py --out-dir DIR --list-outputs
                                       the files --out-dir writes, one per line; compiles nothing
 
@@ -134,18 +135,28 @@ def kernel_family(kernel: str) -> str:
     return kernel[:60]
 
 
-def ptxas_usage(ptx_path: str, arch: str) -> dict[str, tuple[int, int, int]]:
-    """{kernel: (registers, spill store bytes, spill load bytes)} from the local ptxas -v."""
+def ptxas_usage(ptx_path: str, arch: str) -> dict[str, tuple[int, int, int, bool]]:
+    """{kernel: (registers, spill store bytes, spill load bytes, wgmma serialized)} from the local
+    ptxas -v. "Serialized" is ptxas's C7510/C7511 note: it could not pipeline the kernel's warpgroup
+    MMAs (for want of registers, say) and made every wgmma wait for the one before; the kernel still
+    runs correctly, only much slower (a recurrence measured 30-45 % slower that way)."""
     out = subprocess.run(["ptxas", f"-arch={arch}", "-v", ptx_path, "-o", os.devnull],
                          capture_output=True, text=True, check=True).stderr
+    return parse_ptxas_log(out)
+
+
+def parse_ptxas_log(out: str) -> dict[str, tuple[int, int, int, bool]]:
+    """ptxas_usage's reading of a `ptxas -v` log (its stderr)."""
     usage, current = {}, None
     for line in out.splitlines():
         if m := re.search(r"Compiling entry function '([^']+)'", line):
             current = m.group(1)
         if (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)) and current:
-            usage.setdefault(current, [0, 0, 0])[1:] = [int(m.group(1)), int(m.group(2))]
+            usage.setdefault(current, [0, 0, 0, False])[1:3] = [int(m.group(1)), int(m.group(2))]
         if (m := re.search(r"Used (\d+) registers", line)) and current:
-            usage.setdefault(current, [0, 0, 0])[0] = int(m.group(1))
+            usage.setdefault(current, [0, 0, 0, False])[0] = int(m.group(1))
+        if m := re.search(r"wgmma.mma_async instructions are serialized.* in the function '([^']+)'", line):
+            usage.setdefault(m.group(1), [0, 0, 0, False])[3] = True
         if "C7517" in line or "C7519" in line or "serialized" in line:
             print("ptxas:", line.strip())
     return {k: tuple(v) for k, v in usage.items()}
@@ -173,14 +184,17 @@ def check(dump_dir: pathlib.Path) -> bool:
         spills = ptxas_usage(str(ptx), arch) if ptx.is_file() and shutil.which("ptxas") else {}
         for kernel, registers in sorted(cubin.register_counts(image).items(), key=lambda kv: kernel_family(kv[0])):
             family = kernel_family(kernel)
-            _, spill_st, spill_ld = spills.get(kernel, (0, None, None))
+            _, spill_st, spill_ld, serialized = spills.get(kernel, (0, None, None, False))
             print(f"{path.parent.name:26s} {arch} {family:18s} registers {registers:3d} (limit {limits.get(family, 255)}), "
-                  f"spills {spill_st}/{spill_ld} B store/load")
+                  f"spills {spill_st}/{spill_ld} B store/load" + (", wgmma serialized" if serialized else ""))
             if registers > limits.get(family, 255):
                 print(f"  {family}: more registers than its occupancy allows")
                 ok = False
             if arch == "sm_90a" and (spill_st or spill_ld):
                 print(f"  {family}: spills on sm_90a")
+                ok = False
+            if serialized:
+                print(f"  {family}: ptxas serialized its warpgroup MMAs")
                 ok = False
     return ok
 
@@ -210,7 +224,7 @@ def main() -> None:
     if missing:
         sys.exit(f"aot_compile: export did not write {', '.join(map(str, missing))}")
     if args.check and not check(dump_dir):
-        sys.exit("aot_compile --check: a kernel breaks its register or spill limit")
+        sys.exit("aot_compile --check: a kernel breaks its register or spill limit, or has serialized wgmma")
 
 
 if __name__ == "__main__":

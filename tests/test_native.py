@@ -203,3 +203,28 @@ def test_importing_jax_kda_leaves_jax_unconfigured():
                          env={k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"},
                          cwd=pathlib.Path(__file__).resolve().parent)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_build_check_reads_registers_spills_and_wgmma_serialization_off_ptxas():
+    """`aot_compile.py --check` fails a kernel whose warpgroup MMAs ptxas serialized (C7511: each wgmma
+    then waits for the one before; a recurrence built that way ran 30-45 % slower): the log below is
+    ptxas's own wording, kernel names shortened."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "aot_compile_for_test", pathlib.Path(__file__).resolve().parent.parent / "build" / "aot_compile.py")
+    aot_compile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(aot_compile)
+    log = """\
+ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function 'kernel_recurrence_5'
+ptxas info    : Compiling entry function 'kernel_recurrence_5' for 'sm_90a'
+ptxas info    : Function properties for kernel_recurrence_5
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 146 registers, used 3 barriers
+ptxas info    : Compiling entry function 'kernel_prepare_chunks_0' for 'sm_90a'
+ptxas info    : Function properties for kernel_prepare_chunks_0
+    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers
+"""
+    assert aot_compile.parse_ptxas_log(log) == {
+        "kernel_recurrence_5": (146, 0, 0, True), "kernel_prepare_chunks_0": (128, 8, 4, False)}
