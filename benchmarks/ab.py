@@ -14,8 +14,9 @@ cases, so the times are device times as in the benchmark table (CUPTI span over 
 on distinct input sets). Write the prediction before the runs: the file keeps it above the results.
 
 The file lists, per run, each case's time per call and its prepare and recurrence times (and the
-combine kernel's, where the plan is segmented), in µs, and ends with each build's median over its
-rounds.
+combine kernel's, where the plan is segmented), in µs, and the SM clock nvidia-smi reported during
+its profiled runs (median and lowest busy sample, and any throttle reason), and ends with each
+build's median over its rounds.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def render(header: dict, runs: list[tuple[str, int, list[dict]]]) -> str:
              f"# python benchmarks/bench_prefill.py --no-fla --no-flashkda --reps {header['reps']} "
              f"--cases {header['cases']}",
              "# columns: case | jax_kda µs (device time; wall time where none can be taken) | prepare µs | "
-             "recurrence µs [| combine µs]",
+             "recurrence µs [| combine µs] [| SM clock during the profiled runs: median (lowest) MHz]",
              f"# Prediction before the runs: {header['prediction'] or '(none given)'}", ""]
     per_build: dict[str, dict[str, list[dict]]] = {}
     for name, round_no, rows in runs:
@@ -94,7 +95,12 @@ def render(header: dict, runs: list[tuple[str, int, list[dict]]]) -> str:
         for row in rows:
             t = row_times(row)
             cols = [t["call"], t["prepare"], t["recurrence"]] + ([t["combine"]] if t["combine"] is not None else [])
-            lines.append(f" {row['case']} | " + " | ".join(_us(v) for v in cols))
+            clock = row.get("jax_kda_clock") or {}
+            cells = [_us(v) for v in cols]
+            if clock.get("sm_mhz_median") is not None:
+                cells.append(f"{clock['sm_mhz_median']:.0f} ({clock['sm_mhz_min']:.0f}) MHz"
+                             + "".join(f", {reason}" for reason in clock.get("reasons", [])))
+            lines.append(f" {row['case']} | " + " | ".join(cells))
             per_build.setdefault(name, {}).setdefault(row["case"], []).append(t)
     lines += ["", "## median over rounds: case | " + " | ".join(per_build) + "  (call / prepare / recurrence µs)"]
     cases = list(dict.fromkeys(row["case"] for _, _, rows in runs for row in rows))

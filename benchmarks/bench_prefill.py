@@ -22,7 +22,9 @@ synchronisation; device time from CUPTI through torch.profiler (the span of the 
 activity / K, median of 3), wall time also recorded. jax_kda runs as one jitted program of the K
 calls, the peers as K eager torch calls. The peers get the same arrays (DLPack), and their outputs
 (o and the final state) are compared with jax_kda's before anything is timed. Without torch with
-CUDA (e.g. `--backend xla` on a CPU) only wall time is taken.
+CUDA (e.g. `--backend xla` on a CPU) only wall time is taken. Where nvidia-smi is there, each
+measurement also keeps the SM clock, power and throttle reasons it reported during the profiled runs
+(`*_clock` in the rows, `gpu_clock.py`), and the run's facts the GPU's UUID and power limit.
 
 The peers are optional, each used when it imports (`--fla/--no-fla`, `--flashkda/--no-flashkda`):
   * FLA: `fla.ops.kda.chunk_kda` (Triton), `pip install fla-core==0.6.0` on top of torch and triton.
@@ -239,6 +241,7 @@ def run_case(w: Workload, args, rng) -> dict:
             t = time_peer(calls, args.reps)
             row[f"{peer.key}_us"], row[f"{peer.key}_wall_us"] = harness.best_us(t), t["wall_us"]
             row[f"{peer.key}_timing"] = "device" if t["device_us"] is not None else "wall"
+            row[f"{peer.key}_clock"] = t["gpu_clock"]
             del calls
         del torch_sets
         torch.cuda.empty_cache()
@@ -246,6 +249,7 @@ def run_case(w: Workload, args, rng) -> dict:
     t = time_jax(inputs, args.backend, args.reps)
     row["timing"] = "device" if t["device_us"] is not None else "wall"
     row["jax_kda_us"], row["jax_kda_wall_us"] = harness.best_us(t), t["wall_us"]
+    row["jax_kda_clock"] = t["gpu_clock"]
     if t["kernels"] is not None and decision.backend != "xla":
         row["kernels"] = t["kernels"]
     if args.xla:

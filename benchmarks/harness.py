@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kda import contract
+
+from gpu_clock import ClockLog, gpu_facts  # this folder is on sys.path: the scripts put it there
 from jax_kda.testing import BENCHMARK_CASES, MIXED_SEQLENS, Workload, hbm_floor_bytes, make_inputs
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s: a device-to-device copy on the H200 (bytes read + written)
@@ -58,7 +60,10 @@ METHOD = (
     "timed. HBM floor: the fewest bytes a prefill moves (q, k, v, raw g, beta read once, o written once, "
     "states read and written once) over 4.3 TB/s, the copy bandwidth measured on the H200. The XLA path "
     "(backend=\"xla\", with --xla) is timed the same way on 2 of the sets (its calls take milliseconds, so L2 "
-    "plays no part; a case whose program does not fit in device memory is marked not run)."
+    "plays no part; a case whose program does not fit in device memory is marked not run). GPU clock: the SM "
+    "clock, power draw and throttle reasons nvidia-smi reports every 20 ms during each implementation's "
+    "profiled runs are kept per case (*_clock in results.json, with the GPU's UUID and power limit in the run's "
+    "metadata), so that a difference between two runs can be checked against the clock."
 )
 
 
@@ -245,8 +250,9 @@ def span_us(activities: list[Activity]) -> float:
 def measure(run, calls: int, reps: int, profiled: int = PROFILED_RUNS) -> dict:
     """Per-call times of `run` (which makes `calls` calls and waits for them), after one warm-up run:
     `wall_us` (median of `reps` runs), `device_us` (median CUPTI span of `profiled` runs, None without
-    torch/CUDA) and `kernels` (µs per call per KERNEL_PARTS kind, the median of those runs; None
-    likewise)."""
+    torch/CUDA), `kernels` (µs per call per KERNEL_PARTS kind, the median of those runs; None
+    likewise) and `gpu_clock` (what nvidia-smi reported during the profiled runs: `gpu_clock.summarize`;
+    None without it)."""
     run()
     wall = []
     for _ in range(reps):
@@ -254,7 +260,9 @@ def measure(run, calls: int, reps: int, profiled: int = PROFILED_RUNS) -> dict:
         run()
         wall.append((time.perf_counter() - start) / calls * 1e6)
     out = dict(wall_us=statistics.median(wall), device_us=None, kernels=None)
-    profiles = [gpu_activities(run) for _ in range(profiled)]
+    with ClockLog() as clock:
+        profiles = [gpu_activities(run) for _ in range(profiled)]
+    out["gpu_clock"] = clock.summary()
     if profiles and all(profiles):
         out["device_us"] = statistics.median(span_us(p) / calls for p in profiles)
         parts = [by_kernel(p, calls) for p in profiles]
@@ -321,6 +329,7 @@ def run_metadata(commit: str | None = None, method: str = METHOD) -> dict:
         sms=getattr(device, "core_count", None),
         compute_capability=getattr(device, "compute_capability", None),
         versions={k: v for k, v in versions.items() if v},
+        gpu=gpu_facts() if device.platform == "gpu" else None,
         method=method,
     )
 
@@ -388,6 +397,29 @@ def render_table(rows: list[dict]) -> str:
 GOAL_H96_FIXED8K_US = 700.0
 GOAL_VS_FLASHKDA = 2.0
 GOAL_CASES_VS_FLASHKDA = ("h32_128x128", "h32_short_mixed", "h96_fixed32k")
+
+
+def render_clocks(rows: list[dict], key: str = "jax_kda_clock") -> str | None:
+    """One sentence on the SM clock during jax_kda's profiled runs (busy nvidia-smi samples): the range of
+    the cases' medians, the lowest sample and its case, and any throttle reason seen; None when no row
+    has a clock."""
+    clocked = [(r["case"], r[key]) for r in rows if r.get(key) and r[key].get("sm_mhz_median") is not None]
+    if not clocked:
+        return None
+    medians = [c["sm_mhz_median"] for _, c in clocked]
+    low_case, low = min(clocked, key=lambda item: item[1]["sm_mhz_min"])
+    spread = (f"{min(medians):.0f} MHz" if min(medians) == max(medians)
+              else f"{min(medians):.0f}-{max(medians):.0f} MHz")
+    text = (f"SM clock during jax_kda's profiled runs (nvidia-smi every 20 ms, samples while busy): median "
+            f"{spread} across the cases, lowest sample {low['sm_mhz_min']:.0f} MHz ({low_case})")
+    reasons: dict[str, list[str]] = {}
+    for case, c in clocked:
+        for reason in c.get("reasons", []):
+            reasons.setdefault(reason, []).append(case)
+    if reasons:
+        text += "; throttle reasons seen: " + "; ".join(f"{reason} ({', '.join(cases)})"
+                                                         for reason, cases in reasons.items())
+    return text + "."
 
 
 def render_goals(rows: list[dict]) -> str | None:
@@ -514,6 +546,7 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
     sms = f", {meta['sms']} SMs" if meta.get("sms") else ""
     cc = f", compute capability {meta['compute_capability']}" if meta.get("compute_capability") else ""
     versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
+    gpu = meta.get("gpu")
     lines = [
         f"# jax_kda prefill on the {meta['device']}",
         "",
@@ -522,6 +555,8 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
         f"- Date: {meta['date']}",
         f"- jax_kda build: commit `{meta['commit']}`",
         f"- {'GPU' if meta.get('platform', 'gpu') == 'gpu' else 'Device'}: {meta['device']}{sms}{cc}",
+        *([f"- GPU settings: power limit {_fmt(gpu['power_limit_w'], '.0f', ' W')}, highest SM clock "
+           f"{_fmt(gpu['max_sm_mhz'], '.0f', ' MHz')}, driver {gpu['driver']}"] if gpu else []),
         f"- Software: {versions}",
         f"- Command: `{meta['command']}`",
     ]
@@ -547,6 +582,9 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
         render_table(rows),
         "",
     ]
+    clocks = render_clocks(rows)
+    if clocks:
+        lines += [clocks, ""]
     if results_dir is not None and meta.get("plot", True):
         lines += [f"![time per case, log scale, with the HBM floor]({link('prefill.png')})", ""]
     goals = render_goals(rows)

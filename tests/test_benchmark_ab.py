@@ -44,3 +44,15 @@ def test_render_lists_every_run_and_the_medians():
     # Medians per build over its rounds (missing values left out).
     assert " h96 | 904 / 477 / 427 | 889 / 459 / 426" in lines
     assert " h32_32k | 1751 / 680 / 1040 | 1700 / 633 / 1041" in lines
+
+
+def test_render_shows_the_clock_where_one_was_sampled():
+    clocked = _row("h96", 903.2, 476.4, 426.6)
+    clocked["jax_kda_clock"] = dict(samples=9, busy_samples=7, sm_mhz_median=1980.0, sm_mhz_min=1965.0,
+                                    power_w_max=512.0, reasons=["software power cap"])
+    runs = [("main", 1, [clocked]), ("exp", 1, [_row("h96", 890.0, 460.0, 427.0)])]
+    header = dict(date="2026-12-01", device="NVIDIA H200", reps=3, cases="h96", prediction="",
+                  builds=[("main", "a.whl"), ("exp", "b.whl")])
+    lines = ab.render(header, runs).splitlines()
+    assert lines[lines.index("== main1") + 1] == " h96 | 903 | 476 | 427 | 1980 (1965) MHz, software power cap"
+    assert lines[lines.index("== exp1") + 1] == " h96 | 890 | 460 | 427"
