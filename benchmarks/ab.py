@@ -16,7 +16,8 @@ on distinct input sets). Write the prediction before the runs: the file keeps it
 The file lists, per run, each case's time per call and its prepare and recurrence times (and the
 combine kernel's, where the plan is segmented), in µs, and the SM clock nvidia-smi reported during
 its profiled runs (median and lowest busy sample, and any throttle reason), and ends with each
-build's median over its rounds.
+build's median over its rounds. It is rewritten after every run, so an A/B cut short (a time limit)
+keeps the runs it finished.
 """
 
 from __future__ import annotations
@@ -139,6 +140,13 @@ def main() -> None:
             sites[name] = work / f"site_{name}"
             install(wheel, sites[name])
         runs, device = [], "unknown GPU"
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+
+        def write():  # after every run, so that a cut-short A/B keeps the runs it finished
+            header = dict(date=datetime.date.today().isoformat(), device=device, reps=args.reps, cases=args.cases,
+                          prediction=args.predict, builds=[(name, str(wheel)) for name, wheel in args.build])
+            args.out.write_text(render(header, runs))
+
         for round_no in range(1, args.rounds + 1):
             for name in names:
                 out_dir = work / f"{name}{round_no}"
@@ -150,12 +158,9 @@ def main() -> None:
                     raise
                 device = json.loads((out_dir / "results.json").read_text()).get("device", device)
                 runs.append((name, round_no, rows))
+                write()
                 print(f"== {name} round {round_no}: "
                       + ", ".join(f"{r['case']} {_us(r.get('jax_kda_us'))} µs" for r in rows), flush=True)
-    header = dict(date=datetime.date.today().isoformat(), device=device, reps=args.reps, cases=args.cases,
-                  prediction=args.predict, builds=[(name, str(wheel)) for name, wheel in args.build])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(header, runs))
     print(f"wrote {args.out}")
 
 

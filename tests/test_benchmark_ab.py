@@ -56,3 +56,31 @@ def test_render_shows_the_clock_where_one_was_sampled():
     lines = ab.render(header, runs).splitlines()
     assert lines[lines.index("== main1") + 1] == " h96 | 903 | 476 | 427 | 1980 (1965) MHz, software power cap"
     assert lines[lines.index("== exp1") + 1] == " h96 | 890 | 460 | 427"
+
+
+def test_a_cut_short_ab_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+    wheels = []
+    for name in ("a", "b"):
+        wheels.append(tmp_path / f"{name}.whl")
+        wheels[-1].write_bytes(b"")
+    out = tmp_path / "ab.txt"
+    calls = []
+
+    def run_bench(site, name, cases, reps, out_dir, log, timeout_s):
+        calls.append(name)
+        if len(calls) == 3:
+            raise ab.subprocess.TimeoutExpired("bench_prefill.py", timeout_s)
+        out_dir.mkdir(parents=True)
+        (out_dir / "results.json").write_text('{"device": "NVIDIA H200"}')
+        return [_row("h96", 900.0 + len(calls), 470.0, 430.0)]
+
+    monkeypatch.setattr(ab, "install", lambda wheel, target: None)
+    monkeypatch.setattr(ab, "run_bench", run_bench)
+    monkeypatch.setattr(ab.sys, "argv", ["ab.py", "--build", f"a={wheels[0]}", "--build", f"b={wheels[1]}",
+                                         "--cases", "h96", "--rounds", "2", "--out", str(out)])
+    with pytest.raises(ab.subprocess.TimeoutExpired):
+        ab.main()
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("# A/B of jax_kda builds, ") and "NVIDIA H200" in lines[0]
+    assert [line for line in lines if line.startswith("== ")] == ["== a1", "== b1"]
+    assert " h96 | 901 | 470 | 430" in lines and " h96 | 902 | 470 | 430" in lines
