@@ -42,6 +42,7 @@ REASONS = {
 SAMPLE_FIELDS = "clocks.sm,power.draw,clocks_throttle_reasons.active"
 FACT_FIELDS = ("uuid", "power.limit", "clocks.max.sm", "driver_version")
 FIRST_SAMPLE_TIMEOUT_S = 5.0
+INTERVAL_MS = 20  # between samples: several within a profiled run of the shortest case
 
 
 def gpu_index() -> str:
@@ -102,7 +103,7 @@ class ClockLog:
     ends. Without nvidia-smi, or if it prints no sample, the block just runs and the summary is
     None."""
 
-    def __init__(self, interval_ms: int = 20, smi: str | None = None):
+    def __init__(self, interval_ms: int = INTERVAL_MS, smi: str | None = None):
         self.interval_ms = interval_ms
         self.smi = smi if smi is not None else shutil.which("nvidia-smi")
         self.lines: list[str] = []

@@ -34,7 +34,8 @@ import numpy as np
 
 from jax_kda import contract
 
-from gpu_clock import ClockLog, gpu_facts  # this folder is on sys.path: the scripts put it there
+# gpu_clock is this folder's module: the scripts put the folder on sys.path.
+from gpu_clock import INTERVAL_MS as CLOCK_INTERVAL_MS, ClockLog, gpu_facts
 from jax_kda.testing import BENCHMARK_CASES, MIXED_SEQLENS, Workload, hbm_floor_bytes, make_inputs
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s: a device-to-device copy on the H200 (bytes read + written)
@@ -61,8 +62,8 @@ METHOD = (
     "states read and written once) over 4.3 TB/s, the copy bandwidth measured on the H200. The XLA path "
     "(backend=\"xla\", with --xla) is timed the same way on 2 of the sets (its calls take milliseconds, so L2 "
     "plays no part; a case whose program does not fit in device memory is marked not run). GPU clock: the SM "
-    "clock, power draw and throttle reasons nvidia-smi reports every 20 ms during each implementation's "
-    "profiled runs are kept per case (*_clock in results.json, with the GPU's UUID and power limit in the run's "
+    f"clock, power draw and throttle reasons nvidia-smi reports every {CLOCK_INTERVAL_MS} ms during each "
+    "implementation's profiled runs are kept per case (*_clock in results.json, with the GPU's UUID and power limit in the run's "
     "metadata), so that a difference between two runs can be checked against the clock."
 )
 
@@ -410,8 +411,8 @@ def render_clocks(rows: list[dict], key: str = "jax_kda_clock") -> str | None:
     low_case, low = min(clocked, key=lambda item: item[1]["sm_mhz_min"])
     spread = (f"{min(medians):.0f} MHz" if min(medians) == max(medians)
               else f"{min(medians):.0f}-{max(medians):.0f} MHz")
-    text = (f"SM clock during jax_kda's profiled runs (nvidia-smi every 20 ms, samples while busy): median "
-            f"{spread} across the cases, lowest sample {low['sm_mhz_min']:.0f} MHz ({low_case})")
+    text = (f"SM clock during jax_kda's profiled runs (nvidia-smi every {CLOCK_INTERVAL_MS} ms, samples while "
+            f"busy): median {spread} across the cases, lowest sample {low['sm_mhz_min']:.0f} MHz ({low_case})")
     reasons: dict[str, list[str]] = {}
     for case, c in clocked:
         for reason in c.get("reasons", []):
