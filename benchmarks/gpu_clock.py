@@ -6,9 +6,10 @@ few per cent for that reason alone. The timing harness records what the GPU repo
 measurement, so that a difference between two runs can be checked against the clock before it is
 read as a difference between builds.
 
-  * `ClockLog`: a context manager that samples `nvidia-smi` every few milliseconds in the background
-    while its block runs; `.summary()` is the busy samples' SM clock (median, min), the highest power
-    draw and the throttle reasons seen, or None where `nvidia-smi` is not there.
+  * `ClockLog`: a context manager that keeps the samples nvidia-smi took (every few milliseconds, one
+    background process for the whole run: `Sampler`) while its block ran; `.summary()` is the busy
+    samples' SM clock (median, min), the highest power draw and the throttle reasons seen, or None
+    where nvidia-smi is not there.
   * `gpu_facts()`: the GPU's UUID (which physical GPU a run had), power limit, highest SM clock and
     driver, for the run's metadata.
 
@@ -18,6 +19,7 @@ absent.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import statistics
@@ -97,51 +99,87 @@ def summarize(lines: list[str]) -> dict | None:
                 reasons=reason_names(mask))
 
 
-class ClockLog:
-    """`with ClockLog() as log: work()`, then `log.summary()`: nvidia-smi sampled every `interval_ms`
-    from before the block starts (the block waits for the first sample) to one interval after it
-    ends. Without nvidia-smi, or if it prints no sample, the block just runs and the summary is
-    None."""
+class Sampler:
+    """One nvidia-smi process sampling every `interval_ms` for as long as the sampler runs, each line
+    kept with the time it was read (time.monotonic). Started on first use and stopped at exit, so a
+    run of many measurements pays nvidia-smi's start-up (up to seconds) once. `running` is False
+    without nvidia-smi or when it printed nothing within FIRST_SAMPLE_TIMEOUT_S."""
 
-    def __init__(self, interval_ms: int = INTERVAL_MS, smi: str | None = None):
+    def __init__(self, smi: str, interval_ms: int):
         self.interval_ms = interval_ms
-        self.smi = smi if smi is not None else shutil.which("nvidia-smi")
-        self.lines: list[str] = []
-        self._proc = None
-        self._reader = None
+        self.samples: list[tuple[float, str]] = []
         self._first = threading.Event()
+        command = [smi, f"--id={gpu_index()}", f"--query-gpu={SAMPLE_FIELDS}", "--format=csv,noheader,nounits",
+                   f"--loop-ms={interval_ms}"]
+        try:
+            self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._proc = None
+            return
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._first.wait(FIRST_SAMPLE_TIMEOUT_S)
+        atexit.register(self.stop)
 
     def _read(self):
         for line in self._proc.stdout:
-            self.lines.append(line.strip())
+            self.samples.append((time.monotonic(), line.strip()))
             self._first.set()
-        self._first.set()  # the process ended (or failed) before any sample
+        self._first.set()  # the process ended (or failed) before any sample: no need to wait on
 
-    def __enter__(self):
-        if self.smi:
-            command = [self.smi, f"--id={gpu_index()}", f"--query-gpu={SAMPLE_FIELDS}",
-                       "--format=csv,noheader,nounits", f"--loop-ms={self.interval_ms}"]
-            try:
-                self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                              text=True)
-            except OSError:
-                self._proc = None
-        if self._proc is not None:
-            self._reader = threading.Thread(target=self._read, daemon=True)
-            self._reader.start()
-            self._first.wait(FIRST_SAMPLE_TIMEOUT_S)
-        return self
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and bool(self.samples)
 
-    def __exit__(self, *exc):
-        if self._proc is not None:
-            time.sleep(self.interval_ms / 1000)
+    def between(self, start: float, end: float) -> list[str]:
+        return [line for when, line in list(self.samples) if start <= when <= end]
+
+    def stop(self):
+        if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-            self._reader.join(timeout=5)
+
+
+_samplers: dict[tuple[str, int], Sampler] = {}
+
+
+def sampler(smi: str, interval_ms: int) -> Sampler:
+    """The process's sampler for this nvidia-smi and interval (started, or restarted if it died)."""
+    key = (smi, interval_ms)
+    current = _samplers.get(key)
+    if current is None or not current.running:
+        if current is not None:
+            current.stop()
+        current = _samplers[key] = Sampler(smi, interval_ms)
+    return current
+
+
+class ClockLog:
+    """`with ClockLog() as log: work()`, then `log.summary()`: the samples of the process's nvidia-smi
+    sampler (every `interval_ms`) from the block's start to one interval after its end. Without
+    nvidia-smi, or if it prints no sample, the block just runs and the summary is None."""
+
+    def __init__(self, interval_ms: int = INTERVAL_MS, smi: str | None = None):
+        self.interval_ms = interval_ms
+        self.smi = smi if smi is not None else shutil.which("nvidia-smi")
+        self.lines: list[str] = []
+        self._sampler = None
+        self._start = 0.0
+
+    def __enter__(self):
+        if self.smi:
+            self._sampler = sampler(self.smi, self.interval_ms)
+        self._start = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        if self._sampler is not None and self._sampler.running:
+            time.sleep(self.interval_ms / 1000)  # the sample that closes the block
+            self.lines = self._sampler.between(self._start, time.monotonic())
         return False
 
     def summary(self) -> dict | None:

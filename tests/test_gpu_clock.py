@@ -6,6 +6,7 @@ import os
 import pathlib
 import stat
 import sys
+import time
 
 _path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_clock.py"
 _spec = importlib.util.spec_from_file_location("gpu_clock", _path)
@@ -48,21 +49,33 @@ def _fake_smi(tmp_path, body: str) -> str:
     return str(script)
 
 
-def test_clock_log_samples_while_the_block_runs(tmp_path):
-    # A stand-in that prints a sample every 10 ms until it is terminated, and records its arguments.
+def test_clock_logs_share_one_sampler_and_keep_their_own_window(tmp_path):
+    # A stand-in that notes each start, then prints a sample every 10 ms, its SM clock counting up.
     smi = _fake_smi(tmp_path, f"""
 import sys, time
-open({str(tmp_path / 'args')!r}, 'w').write(' '.join(sys.argv[1:]))
+with open({str(tmp_path / 'starts')!r}, 'a') as f:
+    f.write(' '.join(sys.argv[1:]) + chr(10))
+i = 0
 while True:
-    print('1980, 300.0, 0x0000000000000000', flush=True)
+    print(f'{{1000 + i}}, 300.0, 0x0000000000000000', flush=True)
+    i += 1
     time.sleep(0.01)
 """)
-    with gpu_clock.ClockLog(interval_ms=10, smi=smi) as log:
-        assert log.lines, "the block starts after the first sample"
-    s = log.summary()
-    assert s["busy_samples"] >= 1 and s["sm_mhz_median"] == 1980.0
-    args = (tmp_path / "args").read_text()
-    assert "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active" in args and "--loop-ms=10" in args
+    with gpu_clock.ClockLog(interval_ms=10, smi=smi) as first:
+        time.sleep(0.05)
+    time.sleep(0.05)
+    with gpu_clock.ClockLog(interval_ms=10, smi=smi) as second:
+        time.sleep(0.05)
+    a, b = first.summary(), second.summary()
+    assert a["busy_samples"] >= 2 and b["busy_samples"] >= 2
+    clocks_a = [gpu_clock.parse_sample(line)[0] for line in first.lines]
+    clocks_b = [gpu_clock.parse_sample(line)[0] for line in second.lines]
+    assert max(clocks_a) < min(clocks_b), "each block sees only the samples of its own window"
+    starts = (tmp_path / "starts").read_text().splitlines()
+    assert len(starts) == 1, "one nvidia-smi process for both blocks"
+    assert "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active" in starts[0]
+    assert "--loop-ms=10" in starts[0]
+    gpu_clock.sampler(smi, 10).stop()
 
 
 def test_clock_log_without_nvidia_smi_is_a_no_op(tmp_path):
