@@ -14,7 +14,10 @@ CMake runs it at build time, on a machine that needs no GPU:
                                       each kernel's registers (and spills, with a local ptxas) and
                                       fails if a kernel needs more registers than its occupancy
                                       allows, or an sm_90a kernel spills, or ptxas serialized a kernel's
-                                      warpgroup MMAs
+                                      warpgroup MMAs; with cuobjdump and nvdisasm (PATH, or their pip
+                                      packages nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) it also
+                                      prints each sm_90a recurrence kernel's chunk loop: SASS
+                                      instructions an iteration, by class
     aot_compile.py --out-dir DIR --list-outputs
                                       the files --out-dir writes, one per line; compiles nothing
 
@@ -162,6 +165,80 @@ def parse_ptxas_log(out: str) -> dict[str, tuple[int, int, int, bool]]:
     return {k: tuple(v) for k, v in usage.items()}
 
 
+def find_tool(name: str) -> str | None:
+    """A CUDA binary tool (cuobjdump, nvdisasm) from PATH, else from its pip package
+    (`nvidia-cuda-<name>`: nvidia/cu*/bin/ on sys.path; no CUDA toolkit needed), else None."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for entry in sys.path:
+        for candidate in sorted(pathlib.Path(entry or ".").glob(f"nvidia/cu*/bin/{name}")):
+            if os.access(candidate, os.X_OK):
+                return str(candidate)
+    return None
+
+
+def find_disassembler() -> tuple[str, dict] | None:
+    """(cuobjdump, the environment to run it in) when both cuobjdump and the nvdisasm it runs are
+    found, else None."""
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if not (cuobjdump and nvdisasm):
+        return None
+    env = dict(os.environ, PATH=os.pathsep.join([str(pathlib.Path(nvdisasm).parent), os.environ.get("PATH", "")]))
+    return cuobjdump, env
+
+
+# SASS instruction classes the chunk-loop report counts (by opcode prefix, before the first dot).
+LOOP_CLASSES = (("MMA", ("HGMMA", "HMMA")), ("FMUL", ("FMUL",)), ("convert", ("F2FP", "F2F")),
+                ("uniform", ("U",)), ("shared", ("LDS", "STS", "LDSM", "STSM")), ("barrier", ("BAR",)))
+
+
+def chunk_loops(sass: str) -> dict[str, tuple[int, dict[str, int]]]:
+    """{kernel: (instructions an iteration, {class: count})} for each function of a `cuobjdump -sass`
+    listing that has a loop with tensor-core instructions: the shortest backward branch's body
+    that holds the function's largest number of them (the recurrence's chunk loop; the mbarrier
+    spin loops inside it hold none)."""
+    loops = {}
+    for part in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = part.split("\n", 1)[0].strip()
+        code = [(int(m.group(1), 16), m.group(2)) for m in
+                re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", part)]
+        index = {address: i for i, (address, _) in enumerate(code)}
+        best = None
+        for i, (address, instruction) in enumerate(code):
+            target = re.search(r"\bBRA\s+(?:`?\(?)(0x[0-9a-f]+)", instruction)
+            if not target or int(target.group(1), 16) >= address or int(target.group(1), 16) not in index:
+                continue
+            body = [ins for _, ins in code[index[int(target.group(1), 16)]:i + 1]]
+            opcodes = [re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body]
+            mma = sum(op in ("HGMMA", "HMMA") for op in opcodes)
+            if mma and (best is None or (mma, -len(body)) > (best[0], -len(best[1]))):
+                best = (mma, opcodes)
+        if best:
+            opcodes = best[1]
+            counts = {label: sum(any(op.startswith(prefix) for prefix in prefixes) for op in opcodes)
+                      for label, prefixes in LOOP_CLASSES}
+            loops[name] = (len(opcodes), counts)
+    return loops
+
+
+def cubin_chunk_loops(cubin_path: pathlib.Path,
+                      disassembler: tuple[str, dict]) -> dict[str, tuple[int, dict[str, int]]]:
+    """chunk_loops of one cubin, disassembled by cuobjdump (find_disassembler); {} if that fails,
+    with its message printed."""
+    cuobjdump, env = disassembler
+    listing = subprocess.run([cuobjdump, "-sass", str(cubin_path)], capture_output=True, text=True, env=env)
+    if listing.returncode != 0:
+        print(f"cuobjdump -sass {cubin_path.name}: {listing.stderr.strip()[:300]}")
+        return {}
+    return chunk_loops(listing.stdout)
+
+
+def describe_loop(loop: tuple[int, dict[str, int]]) -> str:
+    length, counts = loop
+    return f"chunk loop {length} SASS instructions (" + ", ".join(f"{k} {n}" for k, n in counts.items()) + ")"
+
+
 def check(dump_dir: pathlib.Path) -> bool:
     """Registers and spills of every kernel kept under `dump_dir`; False if one breaks a limit."""
     cubin = load_by_path("kda_cubin", "jax_kda/_cubin.py")
@@ -177,16 +254,23 @@ def check(dump_dir: pathlib.Path) -> bool:
           + " / ".join(f"{combine_segments.shared_memory_bytes(c)} B" for c in combine_segments.V_BLOCKS)
           + f" ({' / '.join(map(str, combine_segments.V_BLOCKS))} columns)")
     ok = True
+    disassembler = find_disassembler()
+    if not disassembler:
+        print("no cuobjdump and nvdisasm (PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`): "
+              "the chunk-loop report is left out")
     for path in sorted(dump_dir.glob("*/*.cubin")):
         image = path.read_bytes()
         arch = cubin.cubin_arch(image)
         ptx = path.with_suffix(".ptx")
         spills = ptxas_usage(str(ptx), arch) if ptx.is_file() and shutil.which("ptxas") else {}
+        # The recurrence's chunk loop, what a recurrence change moves first (sm_90a: the H200's code).
+        loops = cubin_chunk_loops(path, disassembler) if disassembler and arch == "sm_90a" else {}
         for kernel, registers in sorted(cubin.register_counts(image).items(), key=lambda kv: kernel_family(kv[0])):
             family = kernel_family(kernel)
             _, spill_st, spill_ld, serialized = spills.get(kernel, (0, None, None, False))
             print(f"{path.parent.name:26s} {arch} {family:18s} registers {registers:3d} (limit {limits.get(family, 255)}), "
-                  f"spills {spill_st}/{spill_ld} B store/load" + (", wgmma serialized" if serialized else ""))
+                  f"spills {spill_st}/{spill_ld} B store/load" + (", wgmma serialized" if serialized else "")
+                  + (f"; {describe_loop(loops[kernel])}" if family == "recurrence" and kernel in loops else ""))
             if registers > limits.get(family, 255):
                 print(f"  {family}: more registers than its occupancy allows")
                 ok = False

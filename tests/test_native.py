@@ -228,3 +228,48 @@ ptxas info    : Used 128 registers, used 1 barriers
 """
     assert aot_compile.parse_ptxas_log(log) == {
         "kernel_recurrence_5": (146, 0, 0, True), "kernel_prepare_chunks_0": (128, 8, 4, False)}
+
+
+def test_the_build_check_finds_the_recurrence_chunk_loop_in_sass():
+    """`aot_compile.py --check` prints each sm_90a recurrence kernel's chunk loop from `cuobjdump -sass`:
+    the shortest backward branch holding the function's most tensor-core instructions (the mbarrier
+    spin loop inside it holds none). The listing below is cuobjdump's format, code shortened."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "aot_compile_for_test", pathlib.Path(__file__).resolve().parent.parent / "build" / "aot_compile.py")
+    aot_compile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(aot_compile)
+    enc = "/* 0x0000000000000000 */"
+    listing = f"""
+Fatbin elf code:
+================
+arch = sm_90a
+	code for sm_90a
+		Function : kernel_recurrence_5
+	.headerflags	@"EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   S2R R0, SR_TID.X ;                         {enc}
+        /*0010*/                   USHF.L.U32 UR6, UR4, 0x1f, URZ ;           {enc}
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R9+URZ], R3 ; {enc}
+        /*0030*/              @!P1 BRA 0x20 ;                                 {enc}
+        /*0040*/                   LDS.64 R8, [R162+0xfc00] ;                 {enc}
+        /*0050*/                   FMUL R24, R24, R8 ;                        {enc}
+        /*0060*/                   F2FP.BF16.F32.PACK_AB R2, R25, R24 ;       {enc}
+        /*0070*/                   HGMMA.64x16x16.F32.BF16 R104, gdesc[UR8].tnspA, RZ, !UPT ; {enc}
+        /*0080*/                   HGMMA.64x128x16.F32.BF16 R24, R2, gdesc[UR12], R24, gsb0 ; {enc}
+        /*0090*/                   BAR.SYNC.DEFER_BLOCKING 0x1, 0x80 ;        {enc}
+        /*00a0*/               @P0 BRA 0x10 ;                                 {enc}
+        /*00b0*/                   EXIT ;                                     {enc}
+        /*00c0*/                   BRA 0xc0 ;                                 {enc}
+		..........
+
+
+		Function : kernel_combine_segments_2
+	.headerflags	@"EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDG.E R2, desc[UR4][R2.64] ;               {enc}
+        /*0010*/              @!P0 BRA 0x0 ;                                  {enc}
+        /*0020*/                   EXIT ;                                     {enc}
+"""
+    assert aot_compile.chunk_loops(listing) == {
+        "kernel_recurrence_5": (10, dict(MMA=2, FMUL=1, convert=1, uniform=1, shared=1, barrier=1))}
+    assert aot_compile.describe_loop((10, dict(MMA=2, FMUL=1))) == "chunk loop 10 SASS instructions (MMA 2, FMUL 1)"
