@@ -63,8 +63,8 @@ METHOD = (
     "(backend=\"xla\", with --xla) is timed the same way on 2 of the sets (its calls take milliseconds, so L2 "
     "plays no part; a case whose program does not fit in device memory is marked not run). GPU clock: the SM "
     f"clock, power draw and throttle reasons nvidia-smi reports every {CLOCK_INTERVAL_MS} ms during each "
-    "implementation's profiled runs are kept per case (*_clock in results.json, with the GPU's UUID and power limit in the run's "
-    "metadata), so that a difference between two runs can be checked against the clock."
+    "implementation's profiled runs are kept per case (*_clock in results.json, with the GPU's UUID and "
+    "power limit in the run's metadata), so that a difference between two runs can be checked against the clock."
 )
 
 

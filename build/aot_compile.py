@@ -189,7 +189,8 @@ def find_disassembler() -> tuple[str, dict] | None:
 
 
 # SASS instruction classes the chunk-loop report counts (by opcode prefix, before the first dot).
-LOOP_CLASSES = (("MMA", ("HGMMA", "HMMA")), ("FMUL", ("FMUL",)), ("convert", ("F2FP", "F2F")),
+MMA_OPCODES = ("HGMMA", "HMMA")  # warpgroup (sm_90a) and warp-level tensor-core MMAs
+LOOP_CLASSES = (("MMA", MMA_OPCODES), ("FMUL", ("FMUL",)), ("convert", ("F2FP", "F2F")),
                 ("uniform", ("U",)), ("shared", ("LDS", "STS", "LDSM", "STSM")), ("barrier", ("BAR",)))
 
 
@@ -211,7 +212,7 @@ def chunk_loops(sass: str) -> dict[str, tuple[int, dict[str, int]]]:
                 continue
             body = [ins for _, ins in code[index[int(target.group(1), 16)]:i + 1]]
             opcodes = [re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body]
-            mma = sum(op in ("HGMMA", "HMMA") for op in opcodes)
+            mma = sum(op in MMA_OPCODES for op in opcodes)
             if mma and (best is None or (mma, -len(body)) > (best[0], -len(best[1]))):
                 best = (mma, opcodes)
         if best:
