@@ -33,6 +33,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
+from cutlass.experimental.primitives.nvvm_wrapper import MMALayout, stmatrix
 from cutlass.tensor_utils.layout import LayoutEnum
 from kda_contract import CHUNK, HEAD_DIM, RECURRENCE_THREADS, V_PER_CTA, Flag
 
@@ -45,12 +46,12 @@ THREADS = MMA_THREADS + 32
 assert THREADS == RECURRENCE_THREADS
 PRODUCER_WARP = MMA_THREADS // 32
 SLICES = HEAD_DIM // V_SLICE  # CTAs per (value head, sequence); twice as many in the summary kernel
-OUTPUT_BARRIER = 1
-VALUES_BARRIER = 2
-# Output staging rows [16 tokens, 64 v] padded to 72: the accumulator's bf16 writes (lanes differ
-# by 2 tokens and 1 v) spread over all banks, and every row starts 16-byte aligned for the
-# 8-element vector reads.
-OUT_PITCH = V_SLICE + 8
+VALUES_BARRIER = 2  # named barrier ids: 0 is the CTA-wide one
+# Output staging: per MMA warp and chunk parity a block [16 tokens, 16 v] of bf16, as 16-byte
+# units (8 v): 2 units a token, 32 a block (`out_unit`).
+OUT_PAIRS = 4  # bf16 pairs (32-bit words) of a thread's O^T accumulator
+OUT_BLOCK_UNITS = CHUNK * 2
+OUT_UNITS = (MMA_THREADS // 32) * 2 * OUT_BLOCK_UNITS
 # What the producer loads per chunk into one pipeline stage, as (rows, columns, bytes per element):
 # neg_kw, qd [16, 128], kr [128, 16], mqk, w_hi, w_lo [16, 16] (bf16), v [64, 16] (bf16) and the
 # decay [1, 128] (fp32). The stage's transaction byte count is their sum.
@@ -177,23 +178,45 @@ def decay_state(acc_s: cute.Tensor, crd_s: cute.Tensor, s_dec: cute.Tensor, stag
 
 
 @cute.jit
-def store_output(acc_o: cute.Tensor, crd_t: cute.Tensor, s_out: cute.Tensor, o: cute.Tensor, c: Int32,
-                 tidx: Int32, hv: Int32, v_slice: Int32, bos: Int32, eos: Int32):
-    """Chunk c's O^T [64 v, 16 tokens]: transposed through shared memory (double-buffered by chunk
-    parity, one named barrier of the MMA threads), then one 16-byte store per thread (8 v of one
-    token row; 8 threads cover a row's 128 bytes), only for tokens before the sequence end."""
-    buf = c % 2
-    for e in cutlass.range_constexpr(cute.size(acc_o)):
-        vv, tt = crd_t[e]
-        s_out[tt, vv, buf] = acc_o[e].to(cutlass.BFloat16)
-    cute.arch.barrier(barrier_id=OUTPUT_BARRIER, number_of_threads=MMA_THREADS)
-    tok = tidx // 8
-    part = tidx % 8
-    t = bos + c * CHUNK + tok
+def store_output(acc_o: cute.Tensor, s_out: cute.Tensor, o: cute.Tensor, c: Int32, tidx: Int32, hv: Int32,
+                 v_slice: Int32, bos: Int32, eos: Int32):
+    """Chunk c's O^T [64 v, 16 tokens], each warp its own 16 v (rows 16 w .. 16 w + 15 of both MMAs'
+    accumulators): transposed through the warp's own [16 tokens, 16 v] block of shared memory by
+    one stmatrix.x4.trans (no barrier across the warps), then one 16-byte store per lane (8 v of
+    one token), only for tokens before the sequence end. The block is double-buffered by chunk
+    parity, so a warp sync between the store and the read orders both chunks' uses.
+
+    The accumulator's element pairs (2 j, 2 j + 1) are tokens t, t + 1 of one v, and pair j is
+    v block j % 2 (rows +0 / +8) and token block j // 2 (tokens +0 / +8) of the warp's 16 x 16
+    (both C layouts: value mode (2, 2, 2), strides 1 token, 8 rows, 8 tokens): the four 8 x 8
+    matrices of the stmatrix, in order. Lane L addresses row L % 8 of matrix L // 8."""
+    warp = tidx // 32
+    lane = tidx % 32
+    block = warp * 2 + c % 2  # this warp's block for this chunk parity
+    words = cute.make_rmem_tensor(cute.make_layout(OUT_PAIRS), Int32)
+    pairs = cute.recast_tensor(words, cutlass.BFloat16)
+    pairs.store(acc_o.load().to(cutlass.BFloat16))
+    matrix = lane // 8
+    row_token = (matrix // 2) * 8 + lane % 8
+    stmatrix(s_out[None, out_unit(block, row_token, matrix % 2)].iterator.llvm_ptr,
+             [words[j] for j in range(OUT_PAIRS)], MMALayout.COL)
+    cute.arch.sync_warp()
+    token = lane // 2
+    half = lane % 2
+    t = bos + c * CHUNK + token
     if t < eos:
         row = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-        cute.autovec_copy(cute.local_tile(s_out[tok, None, buf], (8,), (part,)), row)
-        cute.autovec_copy(row, cute.local_tile(o[t, hv, None], (8,), (v_slice * 8 + part,)))
+        cute.autovec_copy(s_out[None, out_unit(block, token, half)], row)
+        cute.autovec_copy(row, cute.local_tile(o[t, hv, None], (8,), (v_slice * (V_SLICE // 8) + warp * 2 + half,)))
+
+
+@cute.jit
+def out_unit(block: Int32, token: Int32, half: Int32) -> Int32:
+    """The 16-byte unit of the output staging that holds v half `half` (8 v) of `token` in warp
+    block `block`: rows of two units, the halves swapped on tokens 4-7 and 12-15, so that the eight
+    rows of each stmatrix matrix (tokens 8 b .. 8 b + 7, one half) fall in eight different bank
+    groups."""
+    return block * OUT_BLOCK_UNITS + token * 2 + (half ^ ((token // 4) % 2))
 
 
 class ChunkRecurrence:
@@ -232,7 +255,7 @@ class ChunkRecurrence:
         mqk_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (V_SLICE, CHUNK, CHUNK), bf16, STAGES)
         v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (V_SLICE, CHUNK, CHUNK), bf16, STAGES)
         decay_layout = cute.make_layout((1, HEAD_DIM, STAGES), stride=(HEAD_DIM, 1, HEAD_DIM))
-        out_layout = cute.make_layout((CHUNK, V_SLICE, 2), stride=(OUT_PITCH, 1, CHUNK * OUT_PITCH))
+        out_layout = cute.make_layout((8, OUT_UNITS), stride=(1, 8))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # kr rows are tokens with k contiguous; the MMA wants it as [k, tokens].

@@ -81,7 +81,6 @@ class MmaSyncRecurrence(ChunkRecurrence):
         acc_u = thr.make_fragment_C(thr.partition_shape_C((V_SLICE, CHUNK)))
         acc_o = thr.make_fragment_C(thr.partition_shape_C((V_SLICE, CHUNK)))
         crd_s = thr.partition_C(cute.make_identity_tensor((V_SLICE, HEAD_DIM)))
-        crd_t = thr.partition_C(cute.make_identity_tensor((V_SLICE, CHUNK)))
         # bf16 A operands: for m16n8k16 the fragment of k-block j is the accumulator values of
         # n-tiles 2j and 2j+1 in order, so a compact A fragment and the compact accumulator share
         # one element order (_to_operand converts element by element).
@@ -169,6 +168,6 @@ class MmaSyncRecurrence(ChunkRecurrence):
             state.advance()
 
             if cutlass.const_expr(not self.summary):
-                store_output(acc_o, crd_t, s_out, o, c, tidx, hv, v_slice, bos, eos)
+                store_output(acc_o, s_out, o, c, tidx, hv, v_slice, bos, eos)
 
         store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice, self.summary)

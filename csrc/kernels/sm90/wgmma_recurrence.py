@@ -63,6 +63,13 @@ def _acc_as_operand_layout(acc_layout, operand_value_shape):
 
 
 
+# U's k-blocks: 0 .. U_SPLIT - 1 continue v W^T's accumulator, U_SPLIT .. 7 go to a second one; the
+# issue order alternates between the two chains.
+U_SPLIT = 3
+U_CHAIN_ORDER = ((0, False), (3, True), (1, False), (4, True), (2, False), (5, True), (6, True), (7, True))
+ONE_CHAIN_ORDER = tuple((kb, False) for kb in range(8))
+
+
 class WgmmaRecurrence(ChunkRecurrence):
     """The recurrence's MMA warpgroup on warpgroup MMAs."""
 
@@ -106,9 +113,9 @@ class WgmmaRecurrence(ChunkRecurrence):
         # Accumulators and their (row, column) coordinates: rows are v, columns tokens or k.
         acc_s = thr_state.make_fragment_C(thr_state.partition_shape_C((V_SLICE, HEAD_DIM)))
         acc_u = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
+        acc_u2 = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
         acc_o = thr_tok.make_fragment_C(thr_tok.partition_shape_C((V_SLICE, CHUNK)))
         crd_s = thr_state.partition_C(cute.make_identity_tensor((V_SLICE, HEAD_DIM)))
-        crd_t = thr_tok.partition_C(cute.make_identity_tensor((V_SLICE, CHUNK)))
         # bf16 A operands built from the accumulators.
         a_value_shape = mma_tok.tv_layout_A.shape[1]
         a_s = cute.make_rmem_tensor(_acc_as_operand_layout(acc_s.layout, a_value_shape), cutlass.BFloat16)
@@ -138,9 +145,17 @@ class WgmmaRecurrence(ChunkRecurrence):
             cute.gemm(mma_vw, acc_u, a_v[None, None, 0, stage], b_whi[None, None, 0, stage], acc_u)
             mma_vw.set(warpgroup.Field.ACCUMULATE, True)
             cute.gemm(mma_vw, acc_u, a_v[None, None, 0, stage], b_wlo[None, None, 0, stage], acc_u)
-            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                mma_tok.set(warpgroup.Field.ACCUMULATE, with_values if kb == 0 else True)
-                cute.gemm(mma_tok, acc_u, a_s[None, None, kb], b_kw[None, None, kb, stage], acc_u)
+            # S_bf neg_kw^T: in the ordinary kernel on two independent accumulator chains, issued
+            # alternately: k-blocks 0-2 onto v W^T (5 dependent MMAs), 3-7 onto acc_u2 (5), added
+            # once the group is done. The summary kernel keeps one chain (its loop, with no O
+            # products, would only gain the adds).
+            for kb, second in (ONE_CHAIN_ORDER if self.summary else U_CHAIN_ORDER):
+                if cutlass.const_expr(second):
+                    mma_tok.set(warpgroup.Field.ACCUMULATE, kb != U_SPLIT)
+                    cute.gemm(mma_tok, acc_u2, a_s[None, None, kb], b_kw[None, None, kb, stage], acc_u2)
+                else:
+                    mma_tok.set(warpgroup.Field.ACCUMULATE, with_values if kb == 0 else True)
+                    cute.gemm(mma_tok, acc_u, a_s[None, None, kb], b_kw[None, None, kb, stage], acc_u)
             warpgroup.commit_group()
             # O^T = S_bf qd^T in a group of its own: the tensor cores run it while U is split.
             for kb in cutlass.range_constexpr(HEAD_DIM // 16):
@@ -149,6 +164,9 @@ class WgmmaRecurrence(ChunkRecurrence):
             warpgroup.commit_group()
 
             warpgroup.wait_group(1)  # U's group (O's may still run)
+            if cutlass.const_expr(not self.summary):
+                for e in cutlass.range_constexpr(cute.size(acc_u)):
+                    acc_u[e] = acc_u[e] + acc_u2[e]
 
             to_operand_split(acc_u, a_u, a_u_lo)
             warpgroup.fence()
@@ -166,6 +184,6 @@ class WgmmaRecurrence(ChunkRecurrence):
             state.advance()
 
             if cutlass.const_expr(not self.summary):
-                store_output(acc_o, crd_t, s_out, o, c, tidx, hv, v_slice, bos, eos)
+                store_output(acc_o, s_out, o, c, tidx, hv, v_slice, bos, eos)
 
         store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice, self.summary)
