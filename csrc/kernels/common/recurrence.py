@@ -20,8 +20,9 @@ final state ([2 N S, HV, K, V]: B and M per segment) instead of o. The apply cal
 
 Warp roles (160 threads): warps 0-3 run the MMAs; warp 4 is the TMA producer.
 Shared memory per pipeline stage: the `STAGE_TILES` below, 16384 bytes (4 stages), plus the output
-staging tile 2 x 16 x 72 x 2 = 4608 bytes (rows padded) and the mbarriers, each buffer
-1024-byte aligned (the swizzled layouts need it): 71 680 bytes a CTA, so two fit on an SM.
+staging (a [16 token, 16 v] bf16 block per MMA warp and chunk parity: 4 x 2 x 512 = 4096 bytes) and
+the mbarriers, each buffer 1024-byte aligned (the swizzled layouts need it): about 70 KB a CTA, so
+two fit on an SM.
 """
 
 from __future__ import annotations
