@@ -205,16 +205,22 @@ def test_importing_jax_kda_leaves_jax_unconfigured():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-def test_the_build_check_reads_registers_spills_and_wgmma_serialization_off_ptxas():
-    """`aot_compile.py --check` fails a kernel whose warpgroup MMAs ptxas serialized (C7511: each wgmma
-    then waits for the one before; a recurrence built that way ran 30-45 % slower): the log below is
-    ptxas's own wording, kernel names shortened."""
+def _load_aot_compile():
+    """build/aot_compile.py as a module (the build script is not a package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "aot_compile_for_test", pathlib.Path(__file__).resolve().parent.parent / "build" / "aot_compile.py")
-    aot_compile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(aot_compile)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_build_check_reads_registers_spills_and_wgmma_serialization_off_ptxas():
+    """`aot_compile.py --check` fails a kernel whose warpgroup MMAs ptxas serialized (C7511: each wgmma
+    then waits for the one before; a recurrence built that way ran 30-45 % slower): the log below is
+    ptxas's own wording, kernel names shortened."""
+    aot_compile = _load_aot_compile()
     log = """\
 ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function 'kernel_recurrence_5'
 ptxas info    : Compiling entry function 'kernel_recurrence_5' for 'sm_90a'
@@ -234,12 +240,7 @@ def test_the_build_check_finds_the_recurrence_chunk_loop_in_sass():
     """`aot_compile.py --check` prints each sm_90a recurrence kernel's chunk loop from `cuobjdump -sass`:
     the shortest backward branch holding the function's most tensor-core instructions (the mbarrier
     spin loop inside it holds none). The listing below is cuobjdump's format, code shortened."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "aot_compile_for_test", pathlib.Path(__file__).resolve().parent.parent / "build" / "aot_compile.py")
-    aot_compile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(aot_compile)
+    aot_compile = _load_aot_compile()
     enc = "/* 0x0000000000000000 */"
     listing = f"""
 Fatbin elf code:
