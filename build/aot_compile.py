@@ -14,7 +14,7 @@ CMake runs it at build time, on a machine that needs no GPU:
                                       each kernel's registers (and spills, with a local ptxas) and
                                       fails if a kernel needs more registers than its occupancy
                                       allows, or an sm_90a kernel spills, or ptxas serialized a kernel's
-                                      warpgroup MMAs; with cuobjdump and nvdisasm (PATH, or their pip
+                                      warpgroup MMAs or injected a wait for them (C7517); with cuobjdump and nvdisasm (PATH, or their pip
                                       packages nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) it also
                                       prints each sm_90a recurrence kernel's chunk loop: SASS
                                       instructions an iteration, by class
@@ -138,28 +138,33 @@ def kernel_family(kernel: str) -> str:
     return kernel[:60]
 
 
-def ptxas_usage(ptx_path: str, arch: str) -> dict[str, tuple[int, int, int, bool]]:
-    """{kernel: (registers, spill store bytes, spill load bytes, wgmma serialized)} from the local
-    ptxas -v. "Serialized" is ptxas's C7510/C7511 note: it could not pipeline the kernel's warpgroup
-    MMAs (for want of registers, say) and made every wgmma wait for the one before; the kernel still
-    runs correctly, only much slower (a recurrence measured 30-45 % slower that way)."""
+def ptxas_usage(ptx_path: str, arch: str) -> dict[str, tuple[int, int, int, bool, bool]]:
+    """{kernel: (registers, spill store bytes, spill load bytes, wgmma serialized, wait injected)}
+    from the local ptxas -v. "Serialized" is ptxas's C7510/C7511 note: it could not pipeline the
+    kernel's warpgroup MMAs (for want of registers, say) and made every wgmma wait for the one before;
+    the kernel still runs correctly, only much slower (a recurrence measured 30-45 % slower that way).
+    "Wait injected" is its C7517 note: code touches registers that an in-flight wgmma defines, so
+    ptxas made it wait for the MMAs first, which takes away the overlap the code was written for
+    (the exp/vw-first recurrence of 2026-12-01 got it in every sm_90a variant)."""
     out = subprocess.run(["ptxas", f"-arch={arch}", "-v", ptx_path, "-o", os.devnull],
                          capture_output=True, text=True, check=True).stderr
     return parse_ptxas_log(out)
 
 
-def parse_ptxas_log(out: str) -> dict[str, tuple[int, int, int, bool]]:
+def parse_ptxas_log(out: str) -> dict[str, tuple[int, int, int, bool, bool]]:
     """ptxas_usage's reading of a `ptxas -v` log (its stderr)."""
     usage, current = {}, None
     for line in out.splitlines():
         if m := re.search(r"Compiling entry function '([^']+)'", line):
             current = m.group(1)
         if (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)) and current:
-            usage.setdefault(current, [0, 0, 0, False])[1:3] = [int(m.group(1)), int(m.group(2))]
+            usage.setdefault(current, [0, 0, 0, False, False])[1:3] = [int(m.group(1)), int(m.group(2))]
         if (m := re.search(r"Used (\d+) registers", line)) and current:
-            usage.setdefault(current, [0, 0, 0, False])[0] = int(m.group(1))
+            usage.setdefault(current, [0, 0, 0, False, False])[0] = int(m.group(1))
         if m := re.search(r"wgmma.mma_async instructions are serialized.* in the function '([^']+)'", line):
-            usage.setdefault(m.group(1), [0, 0, 0, False])[3] = True
+            usage.setdefault(m.group(1), [0, 0, 0, False, False])[3] = True
+        if m := re.search(r"\(C7517\) warpgroup.wait is injected.* in function '([^']+)'", line):
+            usage.setdefault(m.group(1), [0, 0, 0, False, False])[4] = True
         if "C7517" in line or "C7519" in line or "serialized" in line:
             print("ptxas:", line.strip())
     return {k: tuple(v) for k, v in usage.items()}
@@ -268,9 +273,10 @@ def check(dump_dir: pathlib.Path) -> bool:
         loops = cubin_chunk_loops(path, disassembler) if disassembler and arch == "sm_90a" else {}
         for kernel, registers in sorted(cubin.register_counts(image).items(), key=lambda kv: kernel_family(kv[0])):
             family = kernel_family(kernel)
-            _, spill_st, spill_ld, serialized = spills.get(kernel, (0, None, None, False))
+            _, spill_st, spill_ld, serialized, waits = spills.get(kernel, (0, None, None, False, False))
             print(f"{path.parent.name:26s} {arch} {family:18s} registers {registers:3d} (limit {limits.get(family, 255)}), "
                   f"spills {spill_st}/{spill_ld} B store/load" + (", wgmma serialized" if serialized else "")
+                  + (", warpgroup.wait injected" if waits else "")
                   + (f"; {describe_loop(loops[kernel])}" if family == "recurrence" and kernel in loops else ""))
             if registers > limits.get(family, 255):
                 print(f"  {family}: more registers than its occupancy allows")
@@ -280,6 +286,9 @@ def check(dump_dir: pathlib.Path) -> bool:
                 ok = False
             if serialized:
                 print(f"  {family}: ptxas serialized its warpgroup MMAs")
+                ok = False
+            if waits:
+                print(f"  {family}: ptxas injected a warpgroup.wait (C7517): an MMA overlap is lost")
                 ok = False
     return ok
 
@@ -309,7 +318,8 @@ def main() -> None:
     if missing:
         sys.exit(f"aot_compile: export did not write {', '.join(map(str, missing))}")
     if args.check and not check(dump_dir):
-        sys.exit("aot_compile --check: a kernel breaks its register or spill limit, or has serialized wgmma")
+        sys.exit("aot_compile --check: a kernel breaks its register or spill limit, or has serialized wgmma "
+                 "or a ptxas-injected warpgroup.wait")
 
 
 if __name__ == "__main__":

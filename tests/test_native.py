@@ -218,11 +218,13 @@ def _load_aot_compile():
 
 def test_the_build_check_reads_registers_spills_and_wgmma_serialization_off_ptxas():
     """`aot_compile.py --check` fails a kernel whose warpgroup MMAs ptxas serialized (C7511: each wgmma
-    then waits for the one before; a recurrence built that way ran 30-45 % slower): the log below is
+    then waits for the one before; a recurrence built that way ran 30-45 % slower) or made wait (C7517:
+    a wait injected before code that touches an in-flight wgmma's registers): the log below is
     ptxas's own wording, kernel names shortened."""
     aot_compile = _load_aot_compile()
     log = """\
 ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function 'kernel_recurrence_5'
+ptxas info    : (C7517) warpgroup.wait is injected in around line 9202 by compiler to allow use of registers defined by GMMA in function 'kernel_recurrence_4'
 ptxas info    : Compiling entry function 'kernel_recurrence_5' for 'sm_90a'
 ptxas info    : Function properties for kernel_recurrence_5
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
@@ -231,9 +233,14 @@ ptxas info    : Compiling entry function 'kernel_prepare_chunks_0' for 'sm_90a'
 ptxas info    : Function properties for kernel_prepare_chunks_0
     0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 128 registers, used 1 barriers
+ptxas info    : Compiling entry function 'kernel_recurrence_4' for 'sm_90a'
+ptxas info    : Function properties for kernel_recurrence_4
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 150 registers, used 3 barriers
 """
     assert aot_compile.parse_ptxas_log(log) == {
-        "kernel_recurrence_5": (146, 0, 0, True), "kernel_prepare_chunks_0": (128, 8, 4, False)}
+        "kernel_recurrence_5": (146, 0, 0, True, False), "kernel_prepare_chunks_0": (128, 8, 4, False, False),
+        "kernel_recurrence_4": (150, 0, 0, False, True)}
 
 
 def test_the_build_check_finds_the_recurrence_chunk_loop_in_sass():
