@@ -14,8 +14,9 @@ CMake runs it at build time, on a machine that needs no GPU:
                                       each kernel's registers (and spills, with a local ptxas) and
                                       fails if a kernel needs more registers than its occupancy
                                       allows, or an sm_90a kernel spills, or ptxas serialized a kernel's
-                                      warpgroup MMAs or injected a wait for them (C7517); with cuobjdump and nvdisasm (PATH, or their pip
-                                      packages nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) it also
+                                      warpgroup MMAs or injected a wait for them (C7517); with
+                                      cuobjdump and nvdisasm (PATH, or their pip packages
+                                      nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) it also
                                       prints each sm_90a recurrence kernel's chunk loop: SASS
                                       instructions an iteration, by class
     aot_compile.py --out-dir DIR --list-outputs
@@ -154,17 +155,21 @@ def ptxas_usage(ptx_path: str, arch: str) -> dict[str, tuple[int, int, int, bool
 def parse_ptxas_log(out: str) -> dict[str, tuple[int, int, int, bool, bool]]:
     """ptxas_usage's reading of a `ptxas -v` log (its stderr)."""
     usage, current = {}, None
+
+    def entry(kernel: str) -> list:
+        return usage.setdefault(kernel, [0, 0, 0, False, False])
+
     for line in out.splitlines():
         if m := re.search(r"Compiling entry function '([^']+)'", line):
             current = m.group(1)
         if (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)) and current:
-            usage.setdefault(current, [0, 0, 0, False, False])[1:3] = [int(m.group(1)), int(m.group(2))]
+            entry(current)[1:3] = [int(m.group(1)), int(m.group(2))]
         if (m := re.search(r"Used (\d+) registers", line)) and current:
-            usage.setdefault(current, [0, 0, 0, False, False])[0] = int(m.group(1))
+            entry(current)[0] = int(m.group(1))
         if m := re.search(r"wgmma.mma_async instructions are serialized.* in the function '([^']+)'", line):
-            usage.setdefault(m.group(1), [0, 0, 0, False, False])[3] = True
+            entry(m.group(1))[3] = True
         if m := re.search(r"\(C7517\) warpgroup.wait is injected.* in function '([^']+)'", line):
-            usage.setdefault(m.group(1), [0, 0, 0, False, False])[4] = True
+            entry(m.group(1))[4] = True
         if "C7517" in line or "C7519" in line or "serialized" in line:
             print("ptxas:", line.strip())
     return {k: tuple(v) for k, v in usage.items()}
