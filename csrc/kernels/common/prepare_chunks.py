@@ -4,8 +4,8 @@ Work items are (chunk slot, value head) pairs; persistent CTAs of 128 threads st
 (grid: up to CTAS_PER_SM per SM), prefetching the next item's raw q, k, g tiles with cp.async
 into a second shared-memory stage while they process the current one. g and beta come in bf16 or
 fp32 (each its own compile-time variant: the tensors' element types); they are converted to fp32
-as loaded, so both give the same arithmetic from there on. In the element-wise phases
-thread d owns key/value channel d; the 16 x 16 and 16 x 128 products run on tensor cores (warp-level
+as loaded, so both give the same arithmetic from there on. In the element-wise phases a
+thread owns two adjacent key channels at 8 of the 16 tokens; the 16 x 16 and 16 x 128 products run on tensor cores (warp-level
 `mma.sync m16n8k8` TF32, fp32 accumulate). It turns the raw inputs of one 16-token chunk into the
 operands of the serial recurrence (`recurrence.py`), all independent of the state:
 
@@ -31,12 +31,16 @@ TF32); on both paths W and k 2^G are rounded to TF32 (round to nearest, ties awa
 the recurrence gets W as hi + lo bf16 halves (~16 bits). Products accumulate in fp32.
 
 Phases per item (four CTA barriers, after the one that publishes the item's stage):
-    1  q, k, g from the stage (thread d: channel d, 16 tokens), gate, cumsum; l2-norm partial sums
-       (16-byte loads of the stage's rows) and the fast-path vote                  -> barrier
-    2  l2 norms; factor tiles into smem; qd, kr to global                          -> barrier
+    1  q, k, g from the stage (thread (pair, half): channels 2 pair, 2 pair + 1 at tokens
+       8 half .. 8 half + 7, one 4-byte load a token and tensor), gate, cumsum (one serial sum
+       per channel, through a shuffle between the halves); l2-norm partial sums (16-byte loads
+       of the stage's rows) and the fast-path vote                                 -> barrier
+    2  l2 norms; factor tiles into smem; qd, kr to global (channel pairs: 8-byte shared and
+       4-byte global stores)                                                        -> barrier
     3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2) -> barrier
-    4  warp 0: forward substitution for W (fp32 to smem); every thread: its channel of k 2^G as
-       a token-contiguous row over factor tiles 0-1 (dead after phase 3)            -> barrier
+    4  warp 0: forward substitution for W (fp32 to smem; L's columns as 16-byte broadcast
+       loads); every thread: its channels' tokens of k 2^G, token-contiguous per channel, over
+       factor tiles 0-1 (dead after phase 3)                                        -> barrier
     5  every thread: two entries of W as hi / lo to global; W application: warp w computes
        channels 32 w .. 32 w + 31 of neg_kw (W rounded to TF32 as its fragments are loaded)
 Measured (H200, alternating A/B, benchmarks/results/h200/prepare_phases_ab.txt): taking the norm
@@ -74,11 +78,13 @@ FACTOR_PITCH = HEAD_DIM + 4
 # that fragment reads (8 rows x 4 columns) and 16-byte row writes are conflict-free.
 OPERAND_PITCH = CHUNK + 4
 MMA_K = 8  # m16n8k8 TF32
+# Phases 1-2: a thread owns two adjacent channels at half of the chunk's tokens.
+TOKENS_PER_THREAD = CHUNK // 2
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
 # one. Measured on the H200 (96 heads x 8K, prepare alone, version 8): 3 CTAs per SM 673 us; 4 CTAs
-# per SM 639 us. Since v left the stages a CTA needs 44 944 B of shared memory (53 136 B with fp32 g), so registers (128
+# per SM 639 us. Since v left the stages a CTA needs 45 136 B of shared memory (53 328 B with fp32 g), so registers (128
 # a thread for 4 CTAs of 128 threads) are the limit; 5 CTAs held to 96 registers measured no faster.
 CTAS_PER_SM = PREPARE_CTAS_PER_SM
 INPUT_TILES = 3       # q, k, g (v goes from the input straight to the recurrence)
@@ -109,16 +115,18 @@ assert FACTOR_TILE_BYTES <= stage_bytes(2)  # factor tile 2 over the stage's q, 
 # of W's entries a thread.
 assert THREADS == 2 * CHUNK * 4 and HEAD_DIM == 4 * 32
 assert THREADS * 2 == CHUNK * CHUNK
+# Phases 1-2: (channel pair, token half) per thread, the two halves of a pair 16 lanes apart.
+assert THREADS == (HEAD_DIM // 2) * 2 and WARPS * 32 // 2 == HEAD_DIM // 2
 # issue_input_loads: whole 16-byte copies per thread for every tile dtype (bf16 q, k; bf16 or fp32 g).
 assert all(CHUNK * HEAD_DIM * size % (16 * THREADS) == 0 for size in (2, 4))
 
 
 def shared_memory_bytes(g_bytes: int) -> int:
     """Shared memory of one CTA (g in `g_bytes`-byte elements): the two input stages, two factor
-    tiles (reused for an operand tile), L [16, 17], W [16, 20], beta, the l2-norm partial sums and
-    norms, the fast-path vote. 44 944 B with bf16 g, 53 136 B with fp32 g: CTAS_PER_SM fit either
-    way (4 x (53 136 + 1 024 reserved) B <= 228 KB)."""
-    return (INPUT_STAGES * stage_bytes(g_bytes) + FACTOR_TILES_BYTES + CHUNK * (CHUNK + 1) * 4
+    tiles (reused for an operand tile), L (transposed) and W [16, 20] each, beta, the l2-norm partial sums and
+    norms, the fast-path vote. 45 136 B with bf16 g, 53 328 B with fp32 g: CTAS_PER_SM fit either
+    way (4 x (53 328 + 1 024 reserved) B <= 228 KB)."""
+    return (INPUT_STAGES * stage_bytes(g_bytes) + FACTOR_TILES_BYTES + CHUNK * OPERAND_PITCH * 4
             + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4 + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4)
 
 
@@ -292,21 +300,25 @@ def load_fragments(tile: cute.Tensor, row: Int32, col: Int32, frag: cute.Tensor,
 
 @cute.jit
 def load_head_scalars(beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, tok0: Int32,
-                      valid: Int32, hv: Int32, d: Int32, gate_mode: Int32):
-    """Thread d's raw beta of token d (d < 16, beta's dtype), A_log[hv] and dt_bias[hv, d] for one item,
-    as loaded. Issued one item ahead (in the item before's phase 2), they are first used after the
-    item's CTA barrier: never waited for."""
+                      valid: Int32, hv: Int32, d: Int32, pair: Int32, gate_mode: Int32):
+    """Thread d's raw beta of token d (d < 16, beta's dtype), A_log[hv] and dt_bias[hv, 2 pair],
+    dt_bias[hv, 2 pair + 1] (one 8-byte load) for one item, as loaded. Issued one item ahead (in the
+    item before's phase 2), they are first used after the item's CTA barrier: never waited for."""
     b = beta.element_type(0.0)
     a_log_hv = Float32(0.0)
-    bias = Float32(0.0)
+    bias0 = Float32(0.0)
+    bias1 = Float32(0.0)
     if valid > 0:
         if d < valid:
             b = beta[tok0 + d, hv]
         if gate_mode == GateMode.SOFTPLUS or gate_mode == GateMode.LOWER_BOUND_A_LOG:
             a_log_hv = a_log[hv]
         if gate_mode != GateMode.PREACTIVATED:
-            bias = dt_bias[hv, d]
-    return b, a_log_hv, bias
+            bias = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            cute.autovec_copy(cute.local_tile(dt_bias[hv, None], (2,), (pair,)), bias)
+            bias0 = bias[0]
+            bias1 = bias[1]
+    return b, a_log_hv, bias0, bias1
 
 
 @cute.kernel
@@ -336,6 +348,10 @@ def prepare_chunks_kernel(
     num_ctas, _, _ = cute.arch.grid_dim()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = cute.arch.lane_idx()
+    # Phases 1-2: thread (pair, half) owns channels 2 pair, 2 pair + 1 at tokens 8 half .. 8 half + 7
+    # (warp w: channels 32 w .. 32 w + 31; lanes l and l + 16 the two halves of the same channels).
+    pair = warp * (32 // 2) + lane % (32 // 2)
+    half = lane // (32 // 2)
     total_tokens = q.shape[0]
     num_q_heads = q.shape[1]
     num_v_heads = g.shape[1]
@@ -356,7 +372,9 @@ def prepare_chunks_kernel(
     # k 2^G (TF32 bits), token-contiguous per channel: 128 x 20 x 4 B = 10 240 B.
     s_fac = smem.allocate_tensor(
         Float32, cute.make_layout((2, CHUNK, HEAD_DIM), stride=(CHUNK * FACTOR_PITCH, FACTOR_PITCH, 1)), 16)
-    s_lower = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK), stride=(CHUNK + 1, 1)), 16)  # 1 088 B
+    # L [16, 16] stored transposed (element (i, j) at j * OPERAND_PITCH + i): phase 4 reads its
+    # columns as 16-byte rows; phase 3's fragment stores stay conflict-free.
+    s_lower = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK), stride=(1, OPERAND_PITCH)), 16)  # 1 280 B
     s_w = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK), stride=(OPERAND_PITCH, 1)), 16)  # W, 1 280 B
     s_beta = smem.allocate_tensor(Float32, cute.make_layout(CHUNK), 16)                                # 64 B
     s_norm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)   # 512 B
@@ -389,7 +407,8 @@ def prepare_chunks_kernel(
     issue_input_loads(load_atom, g_atom, stage_qk(s_in, 0), stage_g(s_in, 0, g.element_type), q, k, g,
                       tok0, valid, hq, hv, d)
     cute.arch.cp_async_commit_group()
-    beta_raw, a_log_hv, bias = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, gate_mode)
+    beta_raw, a_log_hv, bias0, bias1 = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, pair,
+                                                         gate_mode)
     stage = Int32(0)
     while item < items:
         cute.arch.cp_async_wait_group(0)   # this thread's copies of the current item have landed
@@ -411,21 +430,22 @@ def prepare_chunks_kernel(
         # would otherwise wait for the next item's loads just issued.
         n_beta_raw = beta.element_type(0.0)
         n_a_log_hv = Float32(0.0)
-        n_bias = Float32(0.0)
+        n_bias0 = Float32(0.0)
+        n_bias1 = Float32(0.0)
         if valid > 0:
-            n_beta_raw, n_a_log_hv, n_bias = prepare_one(
+            n_beta_raw, n_a_log_hv, n_bias0, n_bias1 = prepare_one(
                 stage_qk(s_in, stage), stage_g(s_in, stage, g.element_type), s_fac, s_lower,
                 s_w, s_beta, s_norm, s_rnorm, s_fast,
                 neg_kw_out, qd_out, kr_out, mqk_out, w_hi_out, w_lo_out, decay_out,
-                slot, hv, valid, beta_raw, a_log_hv, bias, num_v_heads, d, warp, lane,
+                slot, hv, valid, beta_raw, a_log_hv, bias0, bias1, num_v_heads, d, pair, half, warp, lane,
                 flags, gate_mode, scale, lower_bound,
                 beta, a_log, dt_bias, n_tok0, n_valid, n_hv)
         else:
-            n_beta_raw, n_a_log_hv, n_bias = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid,
-                                                               n_hv, d, gate_mode)
+            n_beta_raw, n_a_log_hv, n_bias0, n_bias1 = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid,
+                                                                         n_hv, d, pair, gate_mode)
         item = next_item
         slot, hv, hq, r, tok0, valid = n_slot, n_hv, n_hq, n_r, n_tok0, n_valid
-        beta_raw, a_log_hv, bias = n_beta_raw, n_a_log_hv, n_bias
+        beta_raw, a_log_hv, bias0, bias1 = n_beta_raw, n_a_log_hv, n_bias0, n_bias1
         stage = 1 - stage
     cute.arch.cp_async_wait_group(0)
 
@@ -445,20 +465,50 @@ def stage_g(s_in: cute.Tensor, stage: Int32, dtype: cutlass.Constexpr) -> cute.T
 
 
 @cute.jit
+def load_pairs(row: cute.Tensor, pair: Int32, dst: cute.Tensor, first: cutlass.Constexpr):
+    """dst[first], dst[first + TOKENS_PER_THREAD] (fp32) = elements 2 pair, 2 pair + 1 of `row`, a
+    bf16 or fp32 shared row, in one 4- or 8-byte load. A bf16 pair is widened from its word with
+    one integer instruction each (bf16 is the top half of an fp32)."""
+    if cutlass.const_expr(row.element_type == cutlass.BFloat16):
+        words = cute.make_tensor(cute.recast_ptr(row.iterator, dtype=Int32), cute.make_layout(HEAD_DIM // 2))
+        word = words[pair]
+        dst[first] = float_bits(word << 16)
+        dst[first + TOKENS_PER_THREAD] = float_bits(word & Int32(-65536))  # 0xffff0000
+    else:
+        values = cute.make_rmem_tensor(cute.make_layout(2), row.element_type)
+        cute.autovec_copy(cute.local_tile(row, (2,), (pair,)), values)
+        dst[first] = values[0].to(Float32)
+        dst[first + TOKENS_PER_THREAD] = values[1].to(Float32)
+
+
+@cute.jit
+def store_pair(x0, x1, dtype: cutlass.Constexpr, row: cute.Tensor, pair: Int32):
+    """Elements 2 pair, 2 pair + 1 of `row` = x0, x1 converted to `dtype` (one 4- or 8-byte store)."""
+    values = cute.make_rmem_tensor(cute.make_layout(2), dtype)
+    values[0] = x0.to(dtype)
+    values[1] = x1.to(dtype)
+    cute.autovec_copy(values, cute.local_tile(row, (2,), (pair,)))
+
+
+@cute.jit
 def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, s_w: cute.Tensor,
                 s_beta: cute.Tensor,
                 s_norm: cute.Tensor, s_rnorm: cute.Tensor, s_fast: cute.Tensor,
                 neg_kw_out: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
                 w_hi_out: cute.Tensor, w_lo_out: cute.Tensor, decay_out: cute.Tensor,
                 slot: Int32, hv: Int32, valid: Int32, beta_raw, a_log_hv: Float32,
-                bias: Float32,
-                num_v_heads: Int32, d: Int32, warp: Int32, lane: Int32, flags: Int32, gate_mode: Int32,
-                scale: Float32, lower_bound: Float32,
+                bias0: Float32, bias1: Float32,
+                num_v_heads: Int32, d: Int32, pair: Int32, half: Int32, warp: Int32, lane: Int32, flags: Int32,
+                gate_mode: Int32, scale: Float32, lower_bound: Float32,
                 beta: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor, next_tok0: Int32,
                 next_valid: Int32, next_hv: Int32):
     """All five phases for one item whose raw tiles are in `s_stage` (q, k) and `s_g` (g) (CTA-uniform call). Returns the
-    next item's (`next_*`) raw beta, A_log, dt_bias, loaded once phase 1 no longer needs this one's."""
+    next item's (`next_*`) raw beta, A_log, dt_bias, loaded once phase 1 no longer needs this one's.
+
+    In phases 1-2 thread (pair, half) holds channels c_e = 2 pair + e (e = 0, 1) at tokens
+    t0 + i (t0 = 8 half, i < 8) as element e * 8 + i of its register arrays."""
     row0 = (slot * num_v_heads + hv) * CHUNK
+    t0 = half * TOKENS_PER_THREAD
     # Shared tiles (see FACTOR_TILES_BYTES): factor tiles 0, 1 and then the operand tile k 2^G in
     # s_fac; factor tile 2 at the start of the stage, over its raw q, k, g.
     s_fac_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), s_fac.layout)
@@ -472,6 +522,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     k_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     cum = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     kd_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+    bias = (bias0, bias1)
 
     a_exp = Float32(1.0)
     if gate_mode == GateMode.SOFTPLUS or gate_mode == GateMode.LOWER_BOUND_A_LOG:
@@ -481,48 +532,69 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     # (rows past the last valid token hold copies of it and are zeroed below: zero inputs,
     # zero decay).
     last = valid - 1
-    for i in cutlass.range_constexpr(CHUNK):
-        q_r[i] = s_stage[0, i, d].to(Float32)
-        k_r[i] = s_stage[1, i, d].to(Float32)
-        cum[i] = s_g[i, d].to(Float32)
+    for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+        load_pairs(s_stage[0, t0 + i, None], pair, q_r, i)
+        load_pairs(s_stage[1, t0 + i, None], pair, k_r, i)
+        load_pairs(s_g[t0 + i, None], pair, cum, i)
     # Log2 decay from the gate (softplus and pre-activated gates give the natural log first);
     # one loop per mode so that each computes only its own.
     if gate_mode == GateMode.SOFTPLUS:
-        for i in cutlass.range_constexpr(CHUNK):
-            z = cum[i] + bias
+        for j in cutlass.range_constexpr(CHUNK):
+            z = cum[j] + bias[j // TOKENS_PER_THREAD]
             softplus = z
             if z <= Float32(20.0):
                 softplus = cute.math.log1p(cute.math.exp(z))
-            cum[i] = -a_exp * softplus
+            cum[j] = -a_exp * softplus
     if gate_mode >= GateMode.LOWER_BOUND_A_LOG:  # both lower-bound gates
         # log2 decay = lower_bound log2(e) sigmoid(z), z = (g + bias) a, with the hardware exp2
         # and reciprocal (relative error ~1e-7, far below the bf16 inputs' resolution). The
         # constants are folded per item: one FFMA, one EX2, one FADD, one RCP, one FMUL a token.
         e_scale = a_exp * Float32(-LOG2E)
-        e_shift = bias * e_scale
+        e_shift = (bias0 * e_scale, bias1 * e_scale)
         log2_bound = lower_bound * Float32(LOG2E)
-        for i in cutlass.range_constexpr(CHUNK):
-            denom = Float32(1.0) + cute.math.exp2(cum[i] * e_scale + e_shift, fastmath=True)
-            cum[i] = log2_bound * cute.arch.rcp_approx(denom)
+        for j in cutlass.range_constexpr(CHUNK):
+            denom = Float32(1.0) + cute.math.exp2(cum[j] * e_scale + e_shift[j // TOKENS_PER_THREAD], fastmath=True)
+            cum[j] = log2_bound * cute.arch.rcp_approx(denom)
     else:
-        for i in cutlass.range_constexpr(CHUNK):
-            cum[i] = cum[i] * Float32(LOG2E)
+        for j in cutlass.range_constexpr(CHUNK):
+            cum[j] = cum[j] * Float32(LOG2E)
     if valid < CHUNK:
-        for i in cutlass.range_constexpr(CHUNK):
-            if i > last:
-                q_r[i] = Float32(0.0)
-                k_r[i] = Float32(0.0)
-                cum[i] = Float32(0.0)
+        for j in cutlass.range_constexpr(CHUNK):
+            if t0 + j % TOKENS_PER_THREAD > last:
+                q_r[j] = Float32(0.0)
+                k_r[j] = Float32(0.0)
+                cum[j] = Float32(0.0)
     if d < CHUNK:
         b = opaque(beta_raw).to(Float32)
         if d < valid and (flags & Flag.BETA_SIGMOID) != 0:
             b = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
         s_beta[d] = b
 
-    # Inclusive cumsum of the log2 decay; tokens past the end add nothing.
-    for i in cutlass.range_constexpr(1, CHUNK):
-        cum[i] = cum[i] + cum[i - 1]
-    g_last = cum[CHUNK - 1]
+    # Inclusive cumsum of the log2 decay (tokens past the end add nothing), in token order as one
+    # serial sum per channel: the first half's lanes sum tokens 0-7, pass their sums to the
+    # second half's lanes (lane + 16), which continue from them over tokens 8-15.
+    if half == 0:
+        for j in cutlass.range_constexpr(CHUNK):
+            if j % TOKENS_PER_THREAD != 0:
+                cum[j] = cum[j] + cum[j - 1]
+    carry = []
+    for e in cutlass.range_constexpr(2):
+        carry.append(cute.arch.shuffle_sync_bfly(cum[e * TOKENS_PER_THREAD + TOKENS_PER_THREAD - 1], offset=32 // 2))
+    if half == 1:
+        for j in cutlass.range_constexpr(CHUNK):
+            if j % TOKENS_PER_THREAD == 0:
+                cum[j] = carry[j // TOKENS_PER_THREAD] + cum[j]
+            else:
+                cum[j] = cum[j] + cum[j - 1]
+    # Both halves need each channel's G_last, which the second half holds.
+    g_last0 = cum[TOKENS_PER_THREAD - 1]
+    g_last1 = cum[CHUNK - 1]
+    from_second0 = cute.arch.shuffle_sync_bfly(g_last0, offset=32 // 2)
+    from_second1 = cute.arch.shuffle_sync_bfly(g_last1, offset=32 // 2)
+    if half == 0:
+        g_last0 = from_second0
+        g_last1 = from_second1
+    g_last = (g_last0, g_last1)
 
     l2norm = (flags & Flag.QK_L2NORM) != 0
     if l2norm:
@@ -530,54 +602,76 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
 
     # Whole-CTA vote: factorized pair products are safe iff every channel's chunk decay
     # stays within FAST_PATH_RANGE.
-    fast_here = cute.arch.vote_all_sync(g_last >= Float32(-FAST_PATH_RANGE))
+    fast_here = cute.arch.vote_all_sync(cutlass.min(g_last0, g_last1) >= Float32(-FAST_PATH_RANGE))
     if lane == 0:
         s_fast[warp] = Int32(1) if fast_here else Int32(0)
     cute.arch.sync_threads()
-    next_scalars = load_head_scalars(beta, a_log, dt_bias, next_tok0, next_valid, next_hv, d, gate_mode)
+    next_scalars = load_head_scalars(beta, a_log, dt_bias, next_tok0, next_valid, next_hv, d, pair, gate_mode)
 
-    # ---- Phase 2: l2 norms, factor tiles, qd and kr.
+    # ---- Phase 2: l2 norms, factor tiles, qd and kr (channel pairs: 8-byte shared and 4-byte
+    # global stores).
     if l2norm:
         # Every warp finishes the 32 norms itself (lane l: value l) and shares them through
         # its own row of s_rnorm.
         total = s_norm[0, lane] + s_norm[1, lane] + s_norm[2, lane] + s_norm[3, lane]
         s_rnorm[warp, lane] = cute.math.rsqrt(total + Float32(1e-6))
         cute.arch.sync_warp()
-        for i in cutlass.range_constexpr(CHUNK):
-            q_r[i] = q_r[i] * s_rnorm[warp, i]
-            k_r[i] = k_r[i] * s_rnorm[warp, CHUNK + i]
+        for j in cutlass.range_constexpr(CHUNK):
+            i = j % TOKENS_PER_THREAD
+            q_r[j] = q_r[j] * s_rnorm[warp, t0 + i]
+            k_r[j] = k_r[j] * s_rnorm[warp, CHUNK + t0 + i]
 
     fast = (s_fast[0] + s_fast[1] + s_fast[2] + s_fast[3]) == WARPS
     if fast:
-        ref = g_last * Float32(0.5)
-        ref_scale = cute.math.exp2(ref, fastmath=True)  # 2^ref: 2^G = 2^(G-ref) 2^ref
-        q_scale = scale * ref_scale
-        for i in cutlass.range_constexpr(CHUNK):
-            up = cute.math.exp2(cum[i] - ref, fastmath=True)
-            down = cute.math.exp2(ref - cum[i], fastmath=True)
-            left = k_r[i] * up
-            query = q_r[i] * up
-            right = k_r[i] * down
+        ref = []
+        ref_scale = []  # 2^ref: 2^G = 2^(G-ref) 2^ref
+        q_scale = []
+        for e in cutlass.range_constexpr(2):
+            ref.append(g_last[e] * Float32(0.5))
+            ref_scale.append(cute.math.exp2(ref[e], fastmath=True))
+            q_scale.append(scale * ref_scale[e])
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            left = []
+            query = []
+            right = []
+            for e in cutlass.range_constexpr(2):
+                j = e * TOKENS_PER_THREAD + i
+                up = cute.math.exp2(cum[j] - ref[e], fastmath=True)
+                down = cute.math.exp2(ref[e] - cum[j], fastmath=True)
+                left.append(k_r[j] * up)
+                query.append(q_r[j] * up)
+                right.append(k_r[j] * down)
+                kd_r[j] = left[e] * ref_scale[e]
             # Stored as fp32: the TF32 MMA reads the top 19 bits (truncation), which costs no
             # instructions; rounding them here (4 instructions each) bought no accuracy
             # (tests/kda_chunk_model.py: the pair products feed L and Mqk, both far from the
             # error budget's large terms).
-            s_fac[0, i, d] = left
-            s_fac[1, i, d] = query
-            s_fac2[i, d] = right
-            qd_out[row0 + i, d] = (query * q_scale).to(cutlass.BFloat16)
-            kr_out[row0 + i, d] = (right * ref_scale).to(cutlass.BFloat16)
-            kd_r[i] = left * ref_scale
+            store_pair(left[0], left[1], Float32, s_fac[0, t0 + i, None], pair)
+            store_pair(query[0], query[1], Float32, s_fac[1, t0 + i, None], pair)
+            store_pair(right[0], right[1], Float32, s_fac2[t0 + i, None], pair)
+            store_pair(query[0] * q_scale[0], query[1] * q_scale[1], cutlass.BFloat16, qd_out[row0 + t0 + i, None], pair)
+            store_pair(right[0] * ref_scale[0], right[1] * ref_scale[1], cutlass.BFloat16,
+                       kr_out[row0 + t0 + i, None], pair)
     else:
-        for i in cutlass.range_constexpr(CHUNK):
-            s_fac[0, i, d] = k_r[i]
-            s_fac[1, i, d] = q_r[i]
-            s_fac2[i, d] = cum[i]
-            decay_i = cute.math.exp2(cum[i], fastmath=True)
-            qd_out[row0 + i, d] = (scale * q_r[i] * decay_i).to(cutlass.BFloat16)
-            kr_out[row0 + i, d] = (k_r[i] * cute.math.exp2(g_last - cum[i], fastmath=True)).to(cutlass.BFloat16)
-            kd_r[i] = k_r[i] * decay_i
-    decay_out[slot * num_v_heads + hv, d] = cute.math.exp2(g_last, fastmath=True)
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            j0 = i
+            j1 = TOKENS_PER_THREAD + i
+            store_pair(k_r[j0], k_r[j1], Float32, s_fac[0, t0 + i, None], pair)
+            store_pair(q_r[j0], q_r[j1], Float32, s_fac[1, t0 + i, None], pair)
+            store_pair(cum[j0], cum[j1], Float32, s_fac2[t0 + i, None], pair)
+            qd = []
+            kr = []
+            for e in cutlass.range_constexpr(2):
+                j = e * TOKENS_PER_THREAD + i
+                decay_i = cute.math.exp2(cum[j], fastmath=True)
+                qd.append(scale * q_r[j] * decay_i)
+                kr.append(k_r[j] * cute.math.exp2(g_last[e] - cum[j], fastmath=True))
+                kd_r[j] = k_r[j] * decay_i
+            store_pair(qd[0], qd[1], cutlass.BFloat16, qd_out[row0 + t0 + i, None], pair)
+            store_pair(kr[0], kr[1], cutlass.BFloat16, kr_out[row0 + t0 + i, None], pair)
+    if half == 1:
+        store_pair(cute.math.exp2(g_last[0], fastmath=True), cute.math.exp2(g_last[1], fastmath=True), Float32,
+                   decay_out[slot * num_v_heads + hv, None], pair)
     cute.arch.sync_threads()
 
     # ---- Phase 3: pair products A_kk (-> L) and Mqk.
@@ -625,8 +719,8 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
         # Exact element-wise decays on CUDA cores: thread (i, j0) computes rows i, columns
         # j0 and j0 + 8; s_fac holds k and q, s_fac2 G.
         pi = d // 8
-        for half in cutlass.range_constexpr(2):
-            pj = d % 8 + half * 8
+        for column_half in cutlass.range_constexpr(2):
+            pj = d % 8 + column_half * 8
             acc_kk = Float32(0.0)
             acc_qk = Float32(0.0)
             if pj <= pi:
@@ -642,8 +736,8 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     cute.arch.sync_threads()
 
     # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c) to shared memory in
-    # fp32, and the W-application operand k 2^G (every thread: its channel, over the free factor
-    # tiles 0-1). Warp 0 does only the solve and one store per entry here, the rest of its work
+    # fp32, and the W-application operand k 2^G (every thread: its two channels' eight tokens,
+    # over the free factor tiles 0-1). Warp 0 does only the solve and one store per entry here, the rest of its work
     # after it: the other three warps wait at the barrier for this warp alone. (Measured, H200,
     # 96 heads x 8K: with the TF32 bits and the workspace's w_hi, w_lo also written here, the wait
     # for warp 0 before phase 5 was the largest barrier stall of the kernel.)
@@ -651,20 +745,26 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
         # Right-looking: once col[j] is final, it updates every later col[i]. Each col[i] still
         # subtracts its terms in increasing j (the same float operations, bit for bit, as the
         # row-by-row form), but the updates of one step are independent, so the dependency
-        # chain is 16 FFMAs long instead of 120.
+        # chain is 16 FFMAs long instead of 120. s_lower holds L transposed, so that the
+        # column L[j + 1.., j] a step needs comes in 16-byte broadcast loads (36 loads, not 120).
         col = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
         for i in cutlass.range_constexpr(CHUNK):
             col[i] = Float32(1.0) if d == i else Float32(0.0)
-        for j in cutlass.range_constexpr(CHUNK):
+        for j in cutlass.range_constexpr(CHUNK - 1):
+            column = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+            for v in cutlass.range_constexpr((j + 1) // 4, CHUNK // 4):
+                cute.autovec_copy(cute.local_tile(s_lower[None, j], (4,), (v,)),
+                                  cute.local_tile(column, (4,), (v,)))
             for i in cutlass.range_constexpr(j + 1, CHUNK):
-                col[i] = col[i] - s_lower[i, j] * col[j]
+                col[i] = col[i] - column[i] * col[j]
         b = s_beta[d]
         for i in cutlass.range_constexpr(CHUNK):
             s_w[i, d] = col[i] * b
-    kd_bits = cute.make_rmem_tensor(cute.make_layout(CHUNK), Int32)
-    for i in cutlass.range_constexpr(CHUNK):
-        kd_bits[i] = tf32_bits(kd_r[i])
-    cute.autovec_copy(kd_bits, s_kd_bits[d, None])
+    for e in cutlass.range_constexpr(2):
+        kd_bits = cute.make_rmem_tensor(cute.make_layout(TOKENS_PER_THREAD), Int32)
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            kd_bits[i] = tf32_bits(kd_r[e * TOKENS_PER_THREAD + i])
+        cute.autovec_copy(kd_bits, cute.local_tile(s_kd_bits[2 * pair + e, None], (TOKENS_PER_THREAD,), (half,)))
     cute.arch.sync_threads()
 
     # ---- Phase 5: W to the workspace as two bf16 tiles, hi = bf16(W), lo = bf16(W - hi) (their
