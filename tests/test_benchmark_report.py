@@ -42,3 +42,15 @@ def test_report_states_the_gpu_settings_and_the_clock():
     assert "lowest sample 1965 MHz (h96_fixed8k)." in text
     del meta["gpu"]
     assert "GPU settings" not in harness.render_report([row], meta)
+
+
+def test_goals_do_not_round_a_miss_up_to_the_goal():
+    def row(case, heads, ours, theirs):
+        return dict(case=case, tokens=8192, sequences=1, heads=heads, jax_kda_us=ours, flashkda_us=theirs,
+                    hbm_floor_us=100.0)
+
+    text = harness.render_goals([row("h64_fixed8k", 64, 604.0, 1206.0), row("h64_fixed1k", 64, 87.0, 192.0),
+                                 row("h96_fixed8k", 96, 883.0, 1413.0)])
+    assert "| h64_fixed8k | 1.997x | no (1.002x short) |" in text
+    assert "| h64_fixed1k | 2.21x | yes |" in text
+    assert "| h96_fixed8k | 1.60x | no (1.25x short) |" in text
