@@ -78,8 +78,10 @@ FACTOR_PITCH = HEAD_DIM + 4
 # that fragment reads (8 rows x 4 columns) and 16-byte row writes are conflict-free.
 OPERAND_PITCH = CHUNK + 4
 MMA_K = 8  # m16n8k8 TF32
-# Phases 1-2: a thread owns two adjacent channels at half of the chunk's tokens.
+# Phases 1-2: a thread owns two adjacent channels at half of the chunk's tokens; the two token
+# halves of a channel pair sit HALF_WARP lanes apart in one warp.
 TOKENS_PER_THREAD = CHUNK // 2
+HALF_WARP = 16
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
@@ -116,7 +118,7 @@ assert FACTOR_TILE_BYTES <= stage_bytes(2)  # factor tile 2 over the stage's q, 
 assert THREADS == 2 * CHUNK * 4 and HEAD_DIM == 4 * 32
 assert THREADS * 2 == CHUNK * CHUNK
 # Phases 1-2: (channel pair, token half) per thread, the two halves of a pair 16 lanes apart.
-assert THREADS == (HEAD_DIM // 2) * 2 and WARPS * 32 // 2 == HEAD_DIM // 2
+assert THREADS == (HEAD_DIM // 2) * 2 and WARPS * HALF_WARP == HEAD_DIM // 2
 # issue_input_loads: whole 16-byte copies per thread for every tile dtype (bf16 q, k; bf16 or fp32 g).
 assert all(CHUNK * HEAD_DIM * size % (16 * THREADS) == 0 for size in (2, 4))
 
@@ -350,8 +352,8 @@ def prepare_chunks_kernel(
     lane = cute.arch.lane_idx()
     # Phases 1-2: thread (pair, half) owns channels 2 pair, 2 pair + 1 at tokens 8 half .. 8 half + 7
     # (warp w: channels 32 w .. 32 w + 31; lanes l and l + 16 the two halves of the same channels).
-    pair = warp * (32 // 2) + lane % (32 // 2)
-    half = lane // (32 // 2)
+    pair = warp * HALF_WARP + lane % HALF_WARP
+    half = lane // HALF_WARP
     total_tokens = q.shape[0]
     num_q_heads = q.shape[1]
     num_v_heads = g.shape[1]
@@ -579,7 +581,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
                 cum[j] = cum[j] + cum[j - 1]
     carry = []
     for e in cutlass.range_constexpr(2):
-        carry.append(cute.arch.shuffle_sync_bfly(cum[e * TOKENS_PER_THREAD + TOKENS_PER_THREAD - 1], offset=32 // 2))
+        carry.append(cute.arch.shuffle_sync_bfly(cum[e * TOKENS_PER_THREAD + TOKENS_PER_THREAD - 1], offset=HALF_WARP))
     if half == 1:
         for j in cutlass.range_constexpr(CHUNK):
             if j % TOKENS_PER_THREAD == 0:
@@ -589,8 +591,8 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     # Both halves need each channel's G_last, which the second half holds.
     g_last0 = cum[TOKENS_PER_THREAD - 1]
     g_last1 = cum[CHUNK - 1]
-    from_second0 = cute.arch.shuffle_sync_bfly(g_last0, offset=32 // 2)
-    from_second1 = cute.arch.shuffle_sync_bfly(g_last1, offset=32 // 2)
+    from_second0 = cute.arch.shuffle_sync_bfly(g_last0, offset=HALF_WARP)
+    from_second1 = cute.arch.shuffle_sync_bfly(g_last1, offset=HALF_WARP)
     if half == 0:
         g_last0 = from_second0
         g_last1 = from_second1
