@@ -50,11 +50,16 @@ def install(wheel: pathlib.Path, target: pathlib.Path) -> None:
                     str(target), str(wheel)], check=True)
 
 
+def site_env(site: pathlib.Path) -> dict:
+    """The environment of a run of the build installed in `site`: it first on the PYTHONPATH."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site)] + ([os.environ["PYTHONPATH"]]
+                                                                        if os.environ.get("PYTHONPATH") else [])))
+
+
 def run_bench(site: pathlib.Path, name: str, cases: str, reps: int, out_dir: pathlib.Path,
               log: pathlib.Path, timeout_s: float) -> list[dict]:
     """One bench_prefill.py run of the build installed in `site`; its result rows."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site)] + ([os.environ["PYTHONPATH"]]
-                                                                       if os.environ.get("PYTHONPATH") else [])))
+    env = site_env(site)
     command = [sys.executable, str(HERE / "bench_prefill.py"), "--no-fla", "--no-flashkda", "--reps", str(reps),
                "--cases", cases, "--commit", name, "--out", str(out_dir)]
     with open(log, "w") as f:

@@ -26,7 +26,7 @@ import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from ab import install, parse_build  # noqa: E402
+from ab import install, parse_build, site_env  # noqa: E402
 
 
 def extra_cases():
@@ -124,8 +124,7 @@ def main() -> None:
             site = work / f"site_{name}"
             install(wheel, site)
             out = work / f"{name}.npz"
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                [str(site)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+            env = site_env(site)
             command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", str(out), "--seed",
                        str(args.seed), "--backend", args.backend, "--cases", args.cases]
             subprocess.run(command, env=env, check=True, timeout=args.timeout,
