@@ -39,10 +39,11 @@ Phases per item (four CTA barriers, after the one that publishes the item's stag
        4-byte global stores)                                                        -> barrier
     3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2) -> barrier
     4  warp 0: forward substitution for W (fp32 to smem; L's columns as 16-byte broadcast
-       loads); every thread: its channels' tokens of k 2^G, token-contiguous per channel, over
-       factor tiles 0-1 (dead after phase 3)                                        -> barrier
+       loads); every thread: its channels' tokens of -k 2^G in fp32, token-contiguous per
+       channel, over factor tiles 0-1 (dead after phase 3)                         -> barrier
     5  every thread: two entries of W as hi / lo to global; W application: warp w computes
-       channels 32 w .. 32 w + 31 of neg_kw (W rounded to TF32 as its fragments are loaded)
+       channels 32 w .. 32 w + 31 of neg_kw = W (-k 2^G) (both rounded to TF32 as their
+       fragments are loaded)
 Measured (H200, alternating A/B, benchmarks/results/h200/prepare_phases_ab.txt): taking the norm
 sums from the stage and W's hi/lo and TF32 rounding off warp 0 made prepare 5-7 % faster on every
 case timed (96 heads x 8K: 510 -> 476 us).
@@ -105,7 +106,7 @@ def copies_per_thread(elem_bytes: int) -> int:
     return CHUNK * HEAD_DIM * elem_bytes // 16 // THREADS
 
 # Phases 2-3 use three factor tiles [16 tokens, 128 channels] fp32 (rows of FACTOR_PITCH words),
-# phases 4-5 one operand tile k 2^G [128 channels, 16 tokens] fp32 (rows of OPERAND_PITCH words).
+# phases 4-5 one operand tile -k 2^G [128 channels, 16 tokens] fp32 (rows of OPERAND_PITCH words).
 # Two factor tiles, then the operand tile, live in the CTA's own region; the third factor tile in
 # the current input stage, over its q, k, g tiles (dead once phase 1 has read them).
 FACTOR_TILE_BYTES = CHUNK * FACTOR_PITCH * 4      # 8 448
@@ -154,14 +155,18 @@ def stage_sums_of_squares(s_stage: cute.Tensor, s_norm: cute.Tensor, valid: Int3
     p = tid % 4
     token = vector % CHUNK
     row = s_stage[vector // CHUNK, token, None]
+    row_words = cute.make_tensor(cute.recast_ptr(row.iterator, dtype=Int32), cute.make_layout(HEAD_DIM // 2))
     part = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     for j in cutlass.range_constexpr(4):
         group = p + 4 * ((j + vector % 2) % 4)
-        values = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-        cute.autovec_copy(cute.local_tile(row, (8,), (group,)), values)
+        words = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        cute.autovec_copy(cute.local_tile(row_words, (4,), (group,)), words)
         acc = Float32(0.0)
         for e in cutlass.range_constexpr(8):
-            x = values[e].to(Float32)
+            # Channel 8 group + e: the low (e even) or high half of word e // 2, widened with one
+            # integer instruction (bf16 is the top half of an fp32), as in load_pairs.
+            w = words[e // 2]
+            x = float_bits(w << 16) if e % 2 == 0 else float_bits(w & Int32(-65536))
             acc = acc + x * x
         part[j] = acc
     total = (part[0] + part[1]) + (part[2] + part[3])
@@ -371,7 +376,7 @@ def prepare_chunks_kernel(
     # Factor tiles [0] k (or k 2^(G-ref)), [1] q (or q 2^(G-ref)): 2 x 16 x 132 x 4 B = 16 896 B
     # (the third, G or k 2^(ref-G), is in the item's input stage: prepare_one). The fast path
     # stores TF32 bits, the slow path floats. After phase 3 the same bytes hold the operand tile
-    # k 2^G (TF32 bits), token-contiguous per channel: 128 x 20 x 4 B = 10 240 B.
+    # -k 2^G (fp32), token-contiguous per channel: 128 x 20 x 4 B = 10 240 B.
     s_fac = smem.allocate_tensor(
         Float32, cute.make_layout((2, CHUNK, HEAD_DIM), stride=(CHUNK * FACTOR_PITCH, FACTOR_PITCH, 1)), 16)
     # L [16, 16] stored transposed (element (i, j) at j * OPERAND_PITCH + i): phase 4 reads its
@@ -511,19 +516,20 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     t0 + i (t0 = 8 half, i < 8) as element e * 8 + i of its register arrays."""
     row0 = (slot * num_v_heads + hv) * CHUNK
     t0 = half * TOKENS_PER_THREAD
-    # Shared tiles (see FACTOR_TILES_BYTES): factor tiles 0, 1 and then the operand tile k 2^G in
+    # Shared tiles (see FACTOR_TILES_BYTES): factor tiles 0, 1 and then the operand tile -k 2^G in
     # s_fac; factor tile 2 at the start of the stage, over its raw q, k, g.
     s_fac_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), s_fac.layout)
     stage_f32 = cute.recast_ptr(s_stage.iterator, dtype=Float32)
     s_fac2 = cute.make_tensor(stage_f32, cute.make_layout((CHUNK, HEAD_DIM), stride=(FACTOR_PITCH, 1)))
     s_fac2_bits = cute.make_tensor(cute.recast_ptr(stage_f32, dtype=Int32), s_fac2.layout)
     op_layout = cute.make_layout((HEAD_DIM, CHUNK), stride=(OPERAND_PITCH, 1))
-    s_kd_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), op_layout)
+    s_neg_kd = cute.make_tensor(s_fac.iterator, op_layout)
+    s_neg_kd_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), op_layout)
 
     q_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     k_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
     cum = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
-    kd_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)
+    neg_kd_r = cute.make_rmem_tensor(cute.make_layout(CHUNK), Float32)  # -k 2^G
     bias = (bias0, bias1)
 
     a_exp = Float32(1.0)
@@ -628,10 +634,12 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
         ref = []
         ref_scale = []  # 2^ref: 2^G = 2^(G-ref) 2^ref
         q_scale = []
+        neg_ref_scale = []
         for e in cutlass.range_constexpr(2):
             ref.append(g_last[e] * Float32(0.5))
             ref_scale.append(cute.math.exp2(ref[e], fastmath=True))
             q_scale.append(scale * ref_scale[e])
+            neg_ref_scale.append(-ref_scale[e])
         for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
             left = []
             query = []
@@ -643,7 +651,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
                 left.append(k_r[j] * up)
                 query.append(q_r[j] * up)
                 right.append(k_r[j] * down)
-                kd_r[j] = left[e] * ref_scale[e]
+                neg_kd_r[j] = left[e] * neg_ref_scale[e]
             # Stored as fp32: the TF32 MMA reads the top 19 bits (truncation), which costs no
             # instructions; rounding them here (4 instructions each) bought no accuracy
             # (tests/kda_chunk_model.py: the pair products feed L and Mqk, both far from the
@@ -668,7 +676,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
                 decay_i = cute.math.exp2(cum[j], fastmath=True)
                 qd.append(scale * q_r[j] * decay_i)
                 kr.append(k_r[j] * cute.math.exp2(g_last[e] - cum[j], fastmath=True))
-                kd_r[j] = k_r[j] * decay_i
+                neg_kd_r[j] = k_r[j] * -decay_i
             store_pair(qd[0], qd[1], cutlass.BFloat16, qd_out[row0 + t0 + i, None], pair)
             store_pair(kr[0], kr[1], cutlass.BFloat16, kr_out[row0 + t0 + i, None], pair)
     if half == 1:
@@ -738,11 +746,12 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     cute.arch.sync_threads()
 
     # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c) to shared memory in
-    # fp32, and the W-application operand k 2^G (every thread: its two channels' eight tokens,
-    # over the free factor tiles 0-1). Warp 0 does only the solve and one store per entry here, the rest of its work
-    # after it: the other three warps wait at the barrier for this warp alone. (Measured, H200,
-    # 96 heads x 8K: with the TF32 bits and the workspace's w_hi, w_lo also written here, the wait
-    # for warp 0 before phase 5 was the largest barrier stall of the kernel.)
+    # fp32, and the W-application operand -k 2^G in fp32 (every thread: its two channels' eight
+    # tokens, over the free factor tiles 0-1). Warp 0 does only the solve and one store per entry
+    # here, the rest of its work (TF32 rounding included) after it: the other three warps wait at
+    # the barrier for this warp alone. (Measured, H200, 96 heads x 8K: with the TF32 bits and the
+    # workspace's w_hi, w_lo also written here, the wait for warp 0 before phase 5 was the largest
+    # barrier stall of the kernel.)
     if d < CHUNK:
         # Right-looking: once col[j] is final, it updates every later col[i]. Each col[i] still
         # subtracts its terms in increasing j (the same float operations, bit for bit, as the
@@ -763,15 +772,16 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
         for i in cutlass.range_constexpr(CHUNK):
             s_w[i, d] = col[i] * b
     for e in cutlass.range_constexpr(2):
-        kd_bits = cute.make_rmem_tensor(cute.make_layout(TOKENS_PER_THREAD), Int32)
-        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-            kd_bits[i] = tf32_bits(kd_r[e * TOKENS_PER_THREAD + i])
-        cute.autovec_copy(kd_bits, cute.local_tile(s_kd_bits[2 * pair + e, None], (TOKENS_PER_THREAD,), (half,)))
+        cute.autovec_copy(cute.local_tile(neg_kd_r, (TOKENS_PER_THREAD,), (e,)),
+                          cute.local_tile(s_neg_kd[2 * pair + e, None], (TOKENS_PER_THREAD,), (half,)))
     cute.arch.sync_threads()
 
     # ---- Phase 5: W to the workspace as two bf16 tiles, hi = bf16(W), lo = bf16(W - hi) (their
     # sum carries ~16 bits) for the recurrence's U = W v (thread d: two entries of row d / 8);
-    # neg_kw = -W (k 2^G) with W rounded to TF32; warp w owns channels 32 w .. 32 w + 31.
+    # neg_kw = W (-k 2^G) with both rounded to TF32 as their fragments are loaded (TF32 rounding
+    # (to nearest, ties away), the MMA's products and sums and bf16 rounding are all odd functions,
+    # so this is -(W (k 2^G)) bit for bit, with no negation left to do); warp w owns channels
+    # 32 w .. 32 w + 31.
     w_row = d // 8
     w_pair = d % 8
     pair_hi = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
@@ -787,6 +797,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     frag_kd = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
     acc_kd = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
     w_words = cute.make_rmem_tensor(cute.make_layout(2 * 4), Int32)
+    kd_words = cute.make_rmem_tensor(cute.make_layout(4), Int32)
     for kb in cutlass.range_constexpr(CHUNK // MMA_K):
         load_fragments(s_w, lane % 16, kb * MMA_K + (lane // 16) * 4, w_words, 4 * kb)
     for e in cutlass.range_constexpr(2 * 4):
@@ -794,7 +805,9 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     for nt in cutlass.range_constexpr(32 // 8):
         ch0 = warp * 32 + nt * 8
         # Lanes 8 j .. 8 j + 7: channels ch0 .. ch0 + 7 at tokens 4 j .. 4 j + 3.
-        load_fragments(s_kd_bits, ch0 + lane % 8, (lane // 8) * 4, frag_kd, 0)
+        load_fragments(s_neg_kd_bits, ch0 + lane % 8, (lane // 8) * 4, kd_words, 0)
+        for e in cutlass.range_constexpr(4):
+            frag_kd[e] = tf32_bits(float_bits(kd_words[e]))
         acc_kd.fill(0.0)
         cute.gemm(mma, acc_kd, frag_w, frag_kd, acc_kd)
         # Accumulator values (2 h, 2 h + 1) are columns (n, n + 1) of one row: paired stores.
@@ -802,7 +815,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
             i, n = crd_c[2 * h]
             pair_kw = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
             for e in cutlass.range_constexpr(2):
-                pair_kw[e] = (-acc_kd[2 * h + e]).to(cutlass.BFloat16)
+                pair_kw[e] = acc_kd[2 * h + e].to(cutlass.BFloat16)
             pair_col = (ch0 + n) // 2
             cute.autovec_copy(pair_kw, cute.local_tile(neg_kw_out[row0 + i, None], (2,), (pair_col,)))
     return next_scalars
