@@ -162,11 +162,8 @@ def stage_sums_of_squares(s_stage: cute.Tensor, s_norm: cute.Tensor, valid: Int3
         words = cute.make_rmem_tensor(cute.make_layout(4), Int32)
         cute.autovec_copy(cute.local_tile(row_words, (4,), (group,)), words)
         acc = Float32(0.0)
-        for e in cutlass.range_constexpr(8):
-            # Channel 8 group + e: the low (e even) or high half of word e // 2, widened with one
-            # integer instruction (bf16 is the top half of an fp32), as in load_pairs.
-            w = words[e // 2]
-            x = float_bits(w << 16) if e % 2 == 0 else float_bits(w & Int32(-65536))
+        for e in cutlass.range_constexpr(8):  # channel 8 group + e: a half of word e // 2
+            x = bf16_low(words[e // 2]) if e % 2 == 0 else bf16_high(words[e // 2])
             acc = acc + x * x
         part[j] = acc
     total = (part[0] + part[1]) + (part[2] + part[3])
@@ -290,6 +287,18 @@ def opaque(x, *, loc=None, ip=None):
 def float_bits(x: Int32, *, loc=None, ip=None) -> Float32:
     """The Float32 whose bits are x (a bit cast, no conversion)."""
     return Float32(arith.bitcast(T.f32(), x.ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+# A bf16 is the top half of an fp32: the two bf16 of a 32-bit word widen with one integer
+# instruction each (bf16_low: the element at the lower address).
+@cute.jit
+def bf16_low(word: Int32) -> Float32:
+    return float_bits(word << 16)
+
+
+@cute.jit
+def bf16_high(word: Int32) -> Float32:
+    return float_bits(word & Int32(-65536))  # 0xffff0000
 
 
 @cute.jit
@@ -479,8 +488,8 @@ def load_pairs(row: cute.Tensor, pair: Int32, dst: cute.Tensor, first: cutlass.C
     if cutlass.const_expr(row.element_type == cutlass.BFloat16):
         words = cute.make_tensor(cute.recast_ptr(row.iterator, dtype=Int32), cute.make_layout(HEAD_DIM // 2))
         word = words[pair]
-        dst[first] = float_bits(word << 16)
-        dst[first + TOKENS_PER_THREAD] = float_bits(word & Int32(-65536))  # 0xffff0000
+        dst[first] = bf16_low(word)
+        dst[first + TOKENS_PER_THREAD] = bf16_high(word)
     else:
         values = cute.make_rmem_tensor(cute.make_layout(2), row.element_type)
         cute.autovec_copy(cute.local_tile(row, (2,), (pair,)), values)
