@@ -83,6 +83,12 @@ MMA_K = 8  # m16n8k8 TF32
 # halves of a channel pair sit HALF_WARP lanes apart in one warp.
 TOKENS_PER_THREAD = CHUNK // 2
 HALF_WARP = 16
+# The bf16 stage tiles (q, k; g when bf16) hold tokens 8..15 with their 64-byte halves swapped: in
+# phase 1 a warp's two token halves read the same channels of rows t and t + 8, 2 KB apart, which
+# would otherwise fall on the same banks (a 2-way conflict on every load). In 16-byte copy units
+# (8 bf16) a row's unit u is stored at u ^ half_swap(row); in 32-bit words (bf16 pairs), w ^ 16 w.
+HALF_SWAP_UNITS = 4
+HALF_SWAP_WORDS = 16
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
@@ -141,6 +147,12 @@ def tf32_bits(x: Float32) -> Int32:
 
 
 @cute.jit
+def half_swap(token: Int32) -> Int32:
+    """1 for the tokens whose bf16 stage rows are stored with their halves swapped (8..15), else 0."""
+    return (token // TOKENS_PER_THREAD) % 2
+
+
+@cute.jit
 def stage_sums_of_squares(s_stage: cute.Tensor, s_norm: cute.Tensor, valid: Int32, tid: Int32):
     """Partial l2-norm sums of the item's 32 vectors (q tokens 0..15, then k tokens 0..15), read
     straight from the input stage: thread tid sums the squares of 32 channels of vector tid // 4
@@ -150,7 +162,8 @@ def stage_sums_of_squares(s_stage: cute.Tensor, s_norm: cute.Tensor, valid: Int3
     It replaces a transposed warp butterfly over the per-channel registers (31 shuffles and 62
     selects a thread). The loads are conflict-free: the stage's rows are 256 bytes, so every row
     starts at bank 0, and the two rows of a quarter-warp take their four groups in orders one
-    apart, so the eight 16-byte loads of a quarter-warp cover the 32 banks once."""
+    apart, so the eight 16-byte loads of a quarter-warp cover the 32 banks once (the two rows are
+    in the same token half, so the half swap moves both groups alike)."""
     vector = tid // 4
     p = tid % 4
     token = vector % CHUNK
@@ -160,7 +173,7 @@ def stage_sums_of_squares(s_stage: cute.Tensor, s_norm: cute.Tensor, valid: Int3
     for j in cutlass.range_constexpr(4):
         group = p + 4 * ((j + vector % 2) % 4)
         words = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-        cute.autovec_copy(cute.local_tile(row_words, (4,), (group,)), words)
+        cute.autovec_copy(cute.local_tile(row_words, (4,), (group ^ (HALF_SWAP_UNITS * half_swap(token)),)), words)
         acc = Float32(0.0)
         for e in cutlass.range_constexpr(8):  # channel 8 group + e: a half of word e // 2
             x = bf16_low(words[e // 2]) if e % 2 == 0 else bf16_high(words[e // 2])
@@ -250,7 +263,8 @@ def issue_input_loads(load_atom: cute.CopyAtom, g_atom: cute.CopyAtom, s_qk: cut
                       hv: Int32, tid: Int32):
     """cp.async the chunk's q, k tiles (into `s_qk` [2, 16, 128]) and g tile (into `s_g` [16, 128],
     g's dtype) of one input stage, 16 bytes per copy; rows past the chunk's last valid token repeat
-    that token (zeroed after loading)."""
+    that token (zeroed after loading). bf16 rows of tokens 8..15 are stored halves swapped
+    (HALF_SWAP_UNITS)."""
     if valid > 0:
         for tile in cutlass.range_constexpr(INPUT_TILES):
             src_tensor = (q, k, g)[tile]
@@ -262,8 +276,11 @@ def issue_input_loads(load_atom: cute.CopyAtom, g_atom: cute.CopyAtom, s_qk: cut
                 t = tok0 + cutlass.min(row, valid - 1)
                 src = src_tensor[t, (hq, hq, hv)[tile], None]
                 dst = s_g[row, None] if tile == 2 else s_qk[tile, row, None]
+                dst_col = col
+                if cutlass.const_expr(src_tensor.element_type.width == 16):
+                    dst_col = col ^ (HALF_SWAP_UNITS * half_swap(row))
                 cute.copy(g_atom if tile == 2 else load_atom, cute.local_tile(src, (per_copy,), (col,)),
-                          cute.local_tile(dst, (per_copy,), (col,)))
+                          cute.local_tile(dst, (per_copy,), (dst_col,)))
 
 
 @dsl_user_op
@@ -481,13 +498,14 @@ def stage_g(s_in: cute.Tensor, stage: Int32, dtype: cutlass.Constexpr) -> cute.T
 
 
 @cute.jit
-def load_pairs(row: cute.Tensor, pair: Int32, dst: cute.Tensor, first: cutlass.Constexpr):
+def load_pairs(row: cute.Tensor, pair: Int32, half: Int32, dst: cute.Tensor, first: cutlass.Constexpr):
     """dst[first], dst[first + TOKENS_PER_THREAD] (fp32) = elements 2 pair, 2 pair + 1 of `row`, a
-    bf16 or fp32 shared row, in one 4- or 8-byte load. A bf16 pair is widened from its word with
-    one integer instruction each (bf16 is the top half of an fp32)."""
+    bf16 or fp32 shared row of token half `half`, in one 4- or 8-byte load (a bf16 row of the second
+    half is stored halves swapped). A bf16 pair is widened from its word with one integer
+    instruction each (bf16 is the top half of an fp32)."""
     if cutlass.const_expr(row.element_type == cutlass.BFloat16):
         words = cute.make_tensor(cute.recast_ptr(row.iterator, dtype=Int32), cute.make_layout(HEAD_DIM // 2))
-        word = words[pair]
+        word = words[pair ^ (HALF_SWAP_WORDS * half)]
         dst[first] = bf16_low(word)
         dst[first + TOKENS_PER_THREAD] = bf16_high(word)
     else:
@@ -550,9 +568,9 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     # zero decay).
     last = valid - 1
     for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-        load_pairs(s_stage[0, t0 + i, None], pair, q_r, i)
-        load_pairs(s_stage[1, t0 + i, None], pair, k_r, i)
-        load_pairs(s_g[t0 + i, None], pair, cum, i)
+        load_pairs(s_stage[0, t0 + i, None], pair, half, q_r, i)
+        load_pairs(s_stage[1, t0 + i, None], pair, half, k_r, i)
+        load_pairs(s_g[t0 + i, None], pair, half, cum, i)
     # Log2 decay from the gate (softplus and pre-activated gates give the natural log first);
     # one loop per mode so that each computes only its own.
     if gate_mode == GateMode.SOFTPLUS:
