@@ -78,6 +78,11 @@ FACTOR_PITCH = HEAD_DIM + 4
 # Token-contiguous tiles [128 channels, 16 tokens] and W [16, 16]: rows padded to 20 words, so
 # that fragment reads (8 rows x 4 columns) and 16-byte row writes are conflict-free.
 OPERAND_PITCH = CHUNK + 4
+# In the operand tile -k 2^G, phase 4's 16-byte writes come from lanes two rows apart (a thread
+# owns channels 2 pair, 2 pair + 1), and rows r and r + 8 share banks at this pitch: so rows whose
+# bit OPERAND_SWAP_BIT is set (rows 8..15 of every 16) hold their 4-token units in the order u ^ 1
+# (see operand_unit).
+OPERAND_SWAP_BIT = 3
 MMA_K = 8  # m16n8k8 TF32
 # Phases 1-2: a thread owns two adjacent channels at half of the chunk's tokens; the two token
 # halves of a channel pair sit HALF_WARP lanes apart in one warp.
@@ -150,6 +155,15 @@ def tf32_bits(x: Float32) -> Int32:
 def half_swap(token: Int32) -> Int32:
     """1 for the tokens whose bf16 stage rows are stored with their halves swapped (8..15), else 0."""
     return (token // TOKENS_PER_THREAD) % 2
+
+
+@cute.jit
+def operand_unit(row: Int32, unit: Int32) -> Int32:
+    """Where 4-token unit `unit` (tokens 4 unit .. 4 unit + 3) of channel `row` sits in the operand
+    tile: units of rows 8..15 of every 16 are swapped in pairs, so that a quarter-warp's writes of
+    rows 2 p + e (p = 8 m .. 8 m + 7) cover the 32 banks once. Reads of 8 consecutive rows from
+    a multiple of 8 (the MMA fragments) see one swap for all, so they stay conflict-free."""
+    return unit ^ ((row >> OPERAND_SWAP_BIT) & 1)
 
 
 @cute.jit
@@ -798,9 +812,12 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
         b = s_beta[d]
         for i in cutlass.range_constexpr(CHUNK):
             s_w[i, d] = col[i] * b
+    units = TOKENS_PER_THREAD // 4
     for e in cutlass.range_constexpr(2):
-        cute.autovec_copy(cute.local_tile(neg_kd_r, (TOKENS_PER_THREAD,), (e,)),
-                          cute.local_tile(s_neg_kd[2 * pair + e, None], (TOKENS_PER_THREAD,), (half,)))
+        for v in cutlass.range_constexpr(units):
+            cute.autovec_copy(cute.local_tile(neg_kd_r, (4,), (e * units + v,)),
+                              cute.local_tile(s_neg_kd[2 * pair + e, None], (4,),
+                                              (operand_unit(2 * pair + e, units * half + v),)))
     cute.arch.sync_threads()
 
     # ---- Phase 5: W to the workspace as two bf16 tiles, hi = bf16(W), lo = bf16(W - hi) (their
@@ -832,7 +849,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     for nt in cutlass.range_constexpr(32 // 8):
         ch0 = warp * 32 + nt * 8
         # Lanes 8 j .. 8 j + 7: channels ch0 .. ch0 + 7 at tokens 4 j .. 4 j + 3.
-        load_fragments(s_neg_kd_bits, ch0 + lane % 8, (lane // 8) * 4, kd_words, 0)
+        load_fragments(s_neg_kd_bits, ch0 + lane % 8, operand_unit(ch0 + lane % 8, lane // 8) * 4, kd_words, 0)
         for e in cutlass.range_constexpr(4):
             frag_kd[e] = tf32_bits(float_bits(kd_words[e]))
         acc_kd.fill(0.0)
