@@ -37,7 +37,9 @@ Phases per item (four CTA barriers, after the one that publishes the item's stag
        of the stage's rows) and the fast-path vote                                 -> barrier
     2  l2 norms; factor tiles into smem; qd, kr to global (channel pairs: 8-byte shared and
        4-byte global stores)                                                        -> barrier
-    3  pair products: warp w computes columns 8 (w % 2).. of A_kk (w < 2) or Mqk (w >= 2) -> barrier
+    3  pair products: warps 0-1 A_kk, warps 2-3 Mqk, warp w over channels 64 (w % 2) .. + 63
+       for all 16 columns; the two warps of a product swap partial sums through the stage
+       (a 64-thread named barrier) and warp w finishes columns 8 (w % 2) .. + 7       -> barrier
     4  warp 0: forward substitution for W (fp32 to smem; L's columns as 16-byte broadcast
        loads); every thread: its channels' tokens of -k 2^G in fp32, token-contiguous per
        channel, over factor tiles 0-1 (dead after phase 3)                         -> barrier
@@ -124,6 +126,12 @@ FACTOR_TILE_BYTES = CHUNK * FACTOR_PITCH * 4      # 8 448
 OPERAND_TILE_BYTES = HEAD_DIM * OPERAND_PITCH * 4  # 10 240
 FACTOR_TILES_BYTES = 2 * FACTOR_TILE_BYTES         # the CTA's own region: 16 896
 assert OPERAND_TILE_BYTES <= FACTOR_TILES_BYTES
+# Phase 3's partial sums swapped between the two warps of a product (4 fp32 a lane, a warp's own
+# 512 B), in the item's stage after factor tile 2; named barriers PAIR_BARRIER + product.
+EXCHANGE_OFFSET = FACTOR_TILE_BYTES
+EXCHANGE_BYTES = WARPS * 32 * 4 * 4
+PAIR_BARRIER = 1
+assert EXCHANGE_OFFSET % 16 == 0 and EXCHANGE_OFFSET + EXCHANGE_BYTES <= stage_bytes(2)
 assert FACTOR_TILE_BYTES <= stage_bytes(2)  # factor tile 2 over the stage's q, k, g
 # stage_sums_of_squares: four threads a vector (q and k tokens), 32 channels each; phase 5: two
 # of W's entries a thread.
@@ -558,7 +566,8 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     row0 = (slot * num_v_heads + hv) * CHUNK
     t0 = half * TOKENS_PER_THREAD
     # Shared tiles (see FACTOR_TILES_BYTES): factor tiles 0, 1 and then the operand tile -k 2^G in
-    # s_fac; factor tile 2 at the start of the stage, over its raw q, k, g.
+    # s_fac; factor tile 2 at the start of the stage, over its raw q, k, g, then phase 3's
+    # exchange (EXCHANGE_OFFSET).
     s_fac_bits = cute.make_tensor(cute.recast_ptr(s_fac.iterator, dtype=Int32), s_fac.layout)
     stage_f32 = cute.recast_ptr(s_stage.iterator, dtype=Float32)
     s_fac2 = cute.make_tensor(stage_f32, cute.make_layout((CHUNK, HEAD_DIM), stride=(FACTOR_PITCH, 1)))
@@ -730,25 +739,45 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     thr = mma.get_slice(lane)
     crd_c = thr.partition_C(cute.make_identity_tensor((CHUNK, 8)))
     if fast:
-        # Warp w: rows of factor tile w // 2 (k or q) against columns 8 (w % 2) .. + 7.
+        # Warps 2 p, 2 p + 1: rows of factor tile p (k or q) against all 16 columns, warp w over
+        # channels 64 (w % 2) .. + 63 (each A fragment is loaded by one warp, not two). The pair
+        # then swaps partial sums through the stage (s_xchg): warp w keeps columns 8 (w % 2) ..
+        # + 7 and adds its partner's partial sums of them.
         product = warp // 2
-        col0 = (warp % 2) * 8
+        k_half = warp % 2
+        col0 = k_half * 8
+        cols = (col0, 8 - col0)  # the columns kept, the columns given to the partner
+        k0 = k_half * (HEAD_DIM // 2)
         frag_a = thr.make_fragment_A(thr.partition_shape_A((CHUNK, MMA_K)))
         frag_b = thr.make_fragment_B(thr.partition_shape_B((8, MMA_K)))
-        b_pair = cute.make_rmem_tensor(cute.make_layout(4), Int32)  # B values of two k blocks
-        acc = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
-        acc.fill(0.0)
+        b_pairs = []  # B values of two k blocks, per column half
+        accs = []
+        for c in cutlass.range_constexpr(2):
+            b_pairs.append(cute.make_rmem_tensor(cute.make_layout(4), Int32))
+            accs.append(thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8))))
+            accs[c].fill(0.0)
         a_tile = s_fac_bits[product, None, None]
         b_tile = s_fac2_bits
-        for kb in cutlass.range_constexpr(HEAD_DIM // MMA_K):
+        for kb in cutlass.range_constexpr(HEAD_DIM // 2 // MMA_K):
             # A: lanes 0-15 rows 0-15 at k + 0, lanes 16-31 the same rows at k + 4. B (every
-            # other block, for two blocks): lanes 8 j .. 8 j + 7 rows col0 .. col0 + 7 at k + 4 j.
-            load_fragments(a_tile, lane % 16, kb * MMA_K + (lane // 16) * 4, frag_a, 0)
-            if kb % 2 == 0:
-                load_fragments(b_tile, col0 + lane % 8, kb * MMA_K + (lane // 8) * 4, b_pair, 0)
-            frag_b[0] = b_pair[(kb % 2) * 2]
-            frag_b[1] = b_pair[(kb % 2) * 2 + 1]
-            cute.gemm(mma, acc, frag_a, frag_b, acc)
+            # other block, for two blocks): lanes 8 j .. 8 j + 7 rows col .. col + 7 at k + 4 j.
+            k = k0 + kb * MMA_K
+            load_fragments(a_tile, lane % 16, k + (lane // 16) * 4, frag_a, 0)
+            for c in cutlass.range_constexpr(2):
+                if kb % 2 == 0:
+                    load_fragments(b_tile, cols[c] + lane % 8, k + (lane // 8) * 4, b_pairs[c], 0)
+                frag_b[0] = b_pairs[c][(kb % 2) * 2]
+                frag_b[1] = b_pairs[c][(kb % 2) * 2 + 1]
+                cute.gemm(mma, accs[c], frag_a, frag_b, accs[c])
+        s_xchg = cute.make_tensor(stage_f32 + EXCHANGE_OFFSET // 4,
+                                  cute.make_layout((WARPS, 32, 4), stride=(32 * 4, 4, 1)))
+        cute.autovec_copy(accs[1], s_xchg[warp, lane, None])
+        cute.arch.barrier(barrier_id=PAIR_BARRIER + product, number_of_threads=2 * 32)
+        partner = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        cute.autovec_copy(s_xchg[warp ^ 1, lane, None], partner)
+        acc = accs[0]
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            acc[e] = acc[e] + partner[e]
         # Entries above the diagonal can overflow (factors up to 2^100 each): select, never scale.
         if product == 0:
             for e in cutlass.range_constexpr(cute.size(acc)):
