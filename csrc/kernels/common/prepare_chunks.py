@@ -469,7 +469,7 @@ def prepare_chunks_kernel(
         cute.arch.cp_async_wait_group(0)   # this thread's copies of the current item have landed
         cute.arch.sync_threads()           # ... and everyone else's; and the item before is done
         # Prefetch the next item into the other stage, after the barrier: the item before this
-        # one used that stage (factor tile 2) up to its phase 3.
+        # one used that stage (factor tile 2, the exchange) up to its phase 3.
         next_item = item + num_ctas
         n_slot, n_hv, n_hq, n_r = advance_item(slot, hv, hq, r, step_slot, step_hv, step_hq, step_r,
                                                group, num_v_heads, num_q_heads)
