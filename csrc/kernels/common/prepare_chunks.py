@@ -42,7 +42,8 @@ Phases per item (four CTA barriers, after the one that publishes the item's stag
        (a 64-thread named barrier) and warp w finishes columns 8 (w % 2) .. + 7       -> barrier
     4  warp 0: forward substitution for W (fp32 to smem; L's columns as 16-byte broadcast
        loads); every thread: its channels' tokens of -k 2^G in fp32, token-contiguous per
-       channel, over factor tiles 0-1 (dead after phase 3)                         -> barrier
+       channel (4-token units of rows 8..15 of every 16 swapped in pairs: operand_unit), over
+       factor tiles 0-1 (dead after phase 3)                                       -> barrier
     5  every thread: two entries of W as hi / lo to global; W application: warp w computes
        channels 32 w .. 32 w + 31 of neg_kw = W (-k 2^G) (both rounded to TF32 as their
        fragments are loaded)
@@ -78,7 +79,7 @@ FAST_PATH_RANGE = 200.0
 # (8 rows x 4 columns per instruction) hit 32 different banks.
 FACTOR_PITCH = HEAD_DIM + 4
 # Token-contiguous tiles [128 channels, 16 tokens] and W [16, 16]: rows padded to 20 words, so
-# that fragment reads (8 rows x 4 columns) and 16-byte row writes are conflict-free.
+# that fragment reads (8 rows x 4 columns) and 16-byte writes of consecutive rows are conflict-free.
 OPERAND_PITCH = CHUNK + 4
 # In the operand tile -k 2^G, phase 4's 16-byte writes come from lanes two rows apart (a thread
 # owns channels 2 pair, 2 pair + 1), and rows r and r + 8 share banks at this pitch: so rows whose
@@ -424,7 +425,7 @@ def prepare_chunks_kernel(
     # Factor tiles [0] k (or k 2^(G-ref)), [1] q (or q 2^(G-ref)): 2 x 16 x 132 x 4 B = 16 896 B
     # (the third, G or k 2^(ref-G), is in the item's input stage: prepare_one). The fast path
     # stores TF32 bits, the slow path floats. After phase 3 the same bytes hold the operand tile
-    # -k 2^G (fp32), token-contiguous per channel: 128 x 20 x 4 B = 10 240 B.
+    # -k 2^G (fp32), token-contiguous per channel (units swapped: operand_unit): 128 x 20 x 4 B = 10 240 B.
     s_fac = smem.allocate_tensor(
         Float32, cute.make_layout((2, CHUNK, HEAD_DIM), stride=(CHUNK * FACTOR_PITCH, FACTOR_PITCH, 1)), 16)
     # L [16, 16] stored transposed (element (i, j) at j * OPERAND_PITCH + i): phase 4 reads its
@@ -817,7 +818,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
 
     # ---- Phase 4: W = (I + L)^-1 diag(beta) (warp 0, lane c: column c) to shared memory in
     # fp32, and the W-application operand -k 2^G in fp32 (every thread: its two channels' eight
-    # tokens, over the free factor tiles 0-1). Warp 0 does only the solve and one store per entry
+    # tokens, over the free factor tiles 0-1, placed by operand_unit). Warp 0 does only the solve and one store per entry
     # here, the rest of its work (TF32 rounding included) after it: the other three warps wait at
     # the barrier for this warp alone. (Measured, H200, 96 heads x 8K: with the TF32 bits and the
     # workspace's w_hi, w_lo also written here, the wait for warp 0 before phase 5 was the largest
