@@ -91,12 +91,14 @@ MMA_K = 8  # m16n8k8 TF32
 # halves of a channel pair sit HALF_WARP lanes apart in one warp.
 TOKENS_PER_THREAD = CHUNK // 2
 HALF_WARP = 16
-# The bf16 stage tiles (q, k; g when bf16) hold tokens 8..15 with their 64-byte halves swapped: in
-# phase 1 a warp's two token halves read the same channels of rows t and t + 8, 2 KB apart, which
-# would otherwise fall on the same banks (a 2-way conflict on every load). In 16-byte copy units
-# (8 bf16) a row's unit u is stored at u ^ half_swap(row); in 32-bit words (bf16 pairs), w ^ 16 w.
-HALF_SWAP_UNITS = 4
-HALF_SWAP_WORDS = 16
+# The bf16 stage tiles (q, k; g when bf16) hold the rows of tokens 8..15 with their 64-byte blocks
+# swapped in pairs (byte offset b stored at b ^ HALF_SWAP_BYTES): in phase 1 a warp's two token
+# halves read the same channels of rows t and t + 8, 2 KB apart, which would otherwise fall on the
+# same banks (a 2-way conflict on every load). The same mapping in 16-byte copy units (8 bf16) and
+# in 32-bit words (bf16 pairs): u ^ HALF_SWAP_UNITS half_swap(row), w ^ HALF_SWAP_WORDS half_swap(row).
+HALF_SWAP_BYTES = 64
+HALF_SWAP_UNITS = HALF_SWAP_BYTES // 16
+HALF_SWAP_WORDS = HALF_SWAP_BYTES // 4
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
@@ -162,7 +164,7 @@ def tf32_bits(x: Float32) -> Int32:
 
 @cute.jit
 def half_swap(token: Int32) -> Int32:
-    """1 for the tokens whose bf16 stage rows are stored with their halves swapped (8..15), else 0."""
+    """1 for the tokens whose bf16 stage rows are stored swizzled (8..15: HALF_SWAP_BYTES), else 0."""
     return (token // TOKENS_PER_THREAD) % 2
 
 
@@ -286,7 +288,7 @@ def issue_input_loads(load_atom: cute.CopyAtom, g_atom: cute.CopyAtom, s_qk: cut
                       hv: Int32, tid: Int32):
     """cp.async the chunk's q, k tiles (into `s_qk` [2, 16, 128]) and g tile (into `s_g` [16, 128],
     g's dtype) of one input stage, 16 bytes per copy; rows past the chunk's last valid token repeat
-    that token (zeroed after loading). bf16 rows of tokens 8..15 are stored halves swapped
+    that token (zeroed after loading). bf16 rows of tokens 8..15 are stored swizzled
     (HALF_SWAP_UNITS)."""
     if valid > 0:
         for tile in cutlass.range_constexpr(INPUT_TILES):
@@ -524,7 +526,7 @@ def stage_g(s_in: cute.Tensor, stage: Int32, dtype: cutlass.Constexpr) -> cute.T
 def load_pairs(row: cute.Tensor, pair: Int32, half: Int32, dst: cute.Tensor, first: cutlass.Constexpr):
     """dst[first], dst[first + TOKENS_PER_THREAD] (fp32) = elements 2 pair, 2 pair + 1 of `row`, a
     bf16 or fp32 shared row of token half `half`, in one 4- or 8-byte load (a bf16 row of the second
-    half is stored halves swapped). A bf16 pair is widened from its word with one integer
+    half is stored swizzled: HALF_SWAP_WORDS). A bf16 pair is widened from its word with one integer
     instruction each (bf16 is the top half of an fp32)."""
     if cutlass.const_expr(row.element_type == cutlass.BFloat16):
         words = cute.make_tensor(cute.recast_ptr(row.iterator, dtype=Int32), cute.make_layout(HEAD_DIM // 2))
