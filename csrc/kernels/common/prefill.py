@@ -29,6 +29,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from kda_contract import (
     CHUNK,
@@ -94,8 +95,12 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
         # Persistent: as many CTAs as fit at once (num_sms: the device's SM count), each striding
         # over the rows.
         ctas = cutlass.min(rows, cutlass.max(num_sms, 1) * prepare_chunks.CTAS_PER_SM)
+        # neg_kw leaves each CTA's shared memory by TMA (prepare_chunks.NEG_KW_STAGING_OFFSET).
+        tma_neg_kw, g_neg_kw = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), neg_kw,
+            cute.slice_(prepare_chunks.neg_kw_staging_layout(), (None, None, 0)), (CHUNK, HEAD_DIM))
         prepare_chunks.prepare_chunks_kernel(
-            q, k, g, beta, a_log, dt_bias, cu_seqlens, neg_kw, qd, kr, mqk, w_hi, w_lo, decay,
+            q, k, g, beta, a_log, dt_bias, cu_seqlens, tma_neg_kw, g_neg_kw, qd, kr, mqk, w_hi, w_lo, decay,
             units, dense_len, flags, scale, lower_bound,
         ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream,
                  # The largest carveout: the persistent grid assumes CTAS_PER_SM fit at once

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import arith, llvm
 from cutlass.cute.nvgpu import LoadCacheMode, cpasync
@@ -67,6 +68,7 @@ from cutlass.cute.nvgpu import LoadCacheMode, cpasync
 # version pyproject.toml pins (an experimental API may move in later releases).
 from cutlass.experimental.primitives.nvvm_wrapper import MMALayout, ldmatrix
 from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.tensor_utils.layout import LayoutEnum
 from kda_contract import CHUNK, GATE_MODE_MASK, GATE_MODE_SHIFT, HEAD_DIM, PREPARE_CTAS_PER_SM, PREPARE_THREADS, Flag, GateMode
 
 from common.sequences import sequence_base, sequence_bounds
@@ -129,6 +131,16 @@ FACTOR_TILE_BYTES = CHUNK * FACTOR_PITCH * 4      # 8 448
 OPERAND_TILE_BYTES = HEAD_DIM * OPERAND_PITCH * 4  # 10 240
 FACTOR_TILES_BYTES = 2 * FACTOR_TILE_BYTES         # the CTA's own region: 16 896
 assert OPERAND_TILE_BYTES <= FACTOR_TILES_BYTES
+# Phase 5 writes neg_kw [16, 128] bf16 into a staging tile in the same region, after the operand
+# tile it reads (neg_kw_staging_layout: 128-byte swizzle, so that the MMA accumulator's rows land
+# on different banks); one thread then stores the tile to the workspace with one TMA bulk tensor
+# copy, off the LSU pipe, which 4-byte stores of 8 rows x 16 bytes each kept busy (8 lines an
+# instruction). The tile must be 1 024-byte aligned (the swizzle's period); s_fac is.
+NEG_KW_STAGING_OFFSET = OPERAND_TILE_BYTES
+NEG_KW_STAGING_BYTES = CHUNK * HEAD_DIM * 2
+SWIZZLE_ALIGN = 1024
+assert NEG_KW_STAGING_OFFSET % SWIZZLE_ALIGN == 0
+assert NEG_KW_STAGING_OFFSET + NEG_KW_STAGING_BYTES <= FACTOR_TILES_BYTES
 # Phase 3's partial sums swapped between the two warps of a product (4 fp32 a lane, a warp's own
 # 512 B), in the item's stage after factor tile 2; named barriers PAIR_BARRIER + product.
 EXCHANGE_OFFSET = FACTOR_TILE_BYTES
@@ -153,6 +165,13 @@ def shared_memory_bytes(g_bytes: int) -> int:
     way (4 x (53 328 + 1 024 reserved) B <= 228 KB)."""
     return (INPUT_STAGES * stage_bytes(g_bytes) + FACTOR_TILES_BYTES + CHUNK * OPERAND_PITCH * 4
             + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4 + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4)
+
+
+def neg_kw_staging_layout():
+    """The smem layout of phase 5's neg_kw staging tile [16 tokens, 128 channels, 1] bf16: the
+    recurrence's own TMA layout for the same operand (128-byte swizzle in 64-channel blocks), with
+    one stage."""
+    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (HEAD_DIM, CHUNK, HEAD_DIM), cutlass.BFloat16, 1)
 
 
 @cute.jit
@@ -388,7 +407,8 @@ def prepare_chunks_kernel(
     a_log: cute.Tensor,      # [HV] fp32
     dt_bias: cute.Tensor,    # [HV, 128] fp32
     cu_seqlens: cute.Tensor,  # [N + 1] int32 (read only with Flag.VARLEN)
-    neg_kw_out: cute.Tensor,  # [R * 16, 128] bf16, R = slots * HV
+    tma_neg_kw: cute.CopyAtom,  # TMA store of neg_kw tiles [16, 128] from neg_kw_staging_layout()
+    g_neg_kw: cute.Tensor,    # neg_kw [R * 16, 128] bf16, R = slots * HV, as the TMA atom's view
     qd_out: cute.Tensor,      # [R * 16, 128] bf16
     kr_out: cute.Tensor,      # [R * 16, 128] bf16
     mqk_out: cute.Tensor,     # [R * 16, 16] bf16
@@ -429,7 +449,18 @@ def prepare_chunks_kernel(
     # stores TF32 bits, the slow path floats. After phase 3 the same bytes hold the operand tile
     # -k 2^G (fp32), token-contiguous per channel (units swapped: operand_unit): 128 x 20 x 4 B = 10 240 B.
     s_fac = smem.allocate_tensor(
-        Float32, cute.make_layout((2, CHUNK, HEAD_DIM), stride=(CHUNK * FACTOR_PITCH, FACTOR_PITCH, 1)), 16)
+        Float32, cute.make_layout((2, CHUNK, HEAD_DIM), stride=(CHUNK * FACTOR_PITCH, FACTOR_PITCH, 1)),
+        SWIZZLE_ALIGN)
+    # Phase 5's neg_kw staging tile, in s_fac after the operand tile; the item's TMA store of it
+    # is issued after the next loop-top barrier and must have read it before factor tile 1 is
+    # written again (phase 2 of the CTA's next item: warp 0 waits before phase 1's barrier).
+    kw_layout = neg_kw_staging_layout()
+    s_kw_stage = cute.make_tensor(
+        cute.recast_ptr(s_fac.iterator + NEG_KW_STAGING_OFFSET // 4, kw_layout.inner, dtype=cutlass.BFloat16),
+        kw_layout.outer)
+    t_kw_s, t_kw_g = cpasync.tma_partition(
+        tma_neg_kw, 0, cute.make_layout(1), cute.group_modes(s_kw_stage, 0, 2),
+        cute.group_modes(cute.local_tile(g_neg_kw, (CHUNK, HEAD_DIM), (None, 0)), 0, 2))
     # L [16, 16] stored transposed (element (i, j) at j * OPERAND_PITCH + i): phase 4 reads its
     # columns as 16-byte rows; phase 3's fragment stores stay conflict-free.
     s_lower = smem.allocate_tensor(Float32, cute.make_layout((CHUNK, CHUNK), stride=(1, OPERAND_PITCH)), 16)  # 1 280 B
@@ -468,9 +499,12 @@ def prepare_chunks_kernel(
     beta_raw, a_log_hv, bias0, bias1 = load_head_scalars(beta, a_log, dt_bias, tok0, valid, hv, d, pair,
                                                          gate_mode)
     stage = Int32(0)
+    pending_tile = Int32(-1)  # the workspace row of the item whose neg_kw waits in the staging tile
     while item < items:
         cute.arch.cp_async_wait_group(0)   # this thread's copies of the current item have landed
         cute.arch.sync_threads()           # ... and everyone else's; and the item before is done
+        store_neg_kw(tma_neg_kw, t_kw_s, t_kw_g, pending_tile, warp)
+        pending_tile = Int32(-1)
         # Prefetch the next item into the other stage, after the barrier: the item before this
         # one used that stage (factor tile 2, the exchange) up to its phase 3.
         next_item = item + num_ctas
@@ -494,10 +528,11 @@ def prepare_chunks_kernel(
             n_beta_raw, n_a_log_hv, n_bias0, n_bias1 = prepare_one(
                 stage_qk(s_in, stage), stage_g(s_in, stage, g.element_type), s_fac, s_lower,
                 s_w, s_beta, s_norm, s_rnorm, s_fast,
-                neg_kw_out, qd_out, kr_out, mqk_out, w_hi_out, w_lo_out, decay_out,
+                s_kw_stage, qd_out, kr_out, mqk_out, w_hi_out, w_lo_out, decay_out,
                 slot, hv, valid, beta_raw, a_log_hv, bias0, bias1, num_v_heads, d, pair, half, warp, lane,
                 flags, gate_mode, scale, lower_bound,
                 beta, a_log, dt_bias, n_tok0, n_valid, n_hv)
+            pending_tile = slot * num_v_heads + hv
         else:
             n_beta_raw, n_a_log_hv, n_bias0, n_bias1 = load_head_scalars(beta, a_log, dt_bias, n_tok0, n_valid,
                                                                          n_hv, d, pair, gate_mode)
@@ -506,6 +541,21 @@ def prepare_chunks_kernel(
         beta_raw, a_log_hv, bias0, bias1 = n_beta_raw, n_a_log_hv, n_bias0, n_bias1
         stage = 1 - stage
     cute.arch.cp_async_wait_group(0)
+    # The last item's neg_kw; the CTA stays until the TMA has read the staging tile.
+    cute.arch.sync_threads()
+    store_neg_kw(tma_neg_kw, t_kw_s, t_kw_g, pending_tile, warp)
+    if warp == 0:
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def store_neg_kw(tma_neg_kw: cute.CopyAtom, t_kw_s: cute.Tensor, t_kw_g: cute.Tensor, tile: Int32, warp: Int32):
+    """Warp 0 stores the staging tile to workspace row `tile` of neg_kw with one TMA bulk tensor
+    copy (one elected lane), when `tile` >= 0 (an item was prepared since the last store). Called
+    after a CTA barrier that follows every thread's staging writes and proxy fence."""
+    if warp == 0 and tile >= 0:
+        cute.copy(tma_neg_kw, t_kw_s[(None, 0)], t_kw_g[(None, tile)])
+        cute.arch.cp_async_bulk_commit_group()
 
 
 @cute.jit
@@ -553,7 +603,7 @@ def store_pair(x0, x1, dtype: cutlass.Constexpr, row: cute.Tensor, pair: Int32):
 def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lower: cute.Tensor, s_w: cute.Tensor,
                 s_beta: cute.Tensor,
                 s_norm: cute.Tensor, s_rnorm: cute.Tensor, s_fast: cute.Tensor,
-                neg_kw_out: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
+                s_kw_stage: cute.Tensor, qd_out: cute.Tensor, kr_out: cute.Tensor, mqk_out: cute.Tensor,
                 w_hi_out: cute.Tensor, w_lo_out: cute.Tensor, decay_out: cute.Tensor,
                 slot: Int32, hv: Int32, valid: Int32, beta_raw, a_log_hv: Float32,
                 bias0: Float32, bias1: Float32,
@@ -666,6 +716,10 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     fast_here = cute.arch.vote_all_sync(cutlass.min(g_last0, g_last1) >= Float32(-FAST_PATH_RANGE))
     if lane == 0:
         s_fast[warp] = Int32(1) if fast_here else Int32(0)
+    if warp == 0:
+        # The item before's neg_kw store has read the staging tile, which phase 2 overwrites
+        # (factor tile 1).
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
     cute.arch.sync_threads()
     next_scalars = load_head_scalars(beta, a_log, dt_bias, next_tok0, next_valid, next_hv, d, pair, gate_mode)
 
@@ -893,5 +947,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
             for e in cutlass.range_constexpr(2):
                 pair_kw[e] = acc_kd[2 * h + e].to(cutlass.BFloat16)
             pair_col = (ch0 + n) // 2
-            cute.autovec_copy(pair_kw, cute.local_tile(neg_kw_out[row0 + i, None], (2,), (pair_col,)))
+            cute.autovec_copy(pair_kw, cute.local_tile(s_kw_stage[i, None, 0], (2,), (pair_col,)))
+    # The staging writes, ordered before the TMA store (async proxy) that the next barrier releases.
+    cute.arch.fence_proxy("async.shared", space="cta")
     return next_scalars
