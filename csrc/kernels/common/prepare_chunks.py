@@ -46,7 +46,8 @@ Phases per item (four CTA barriers, after the one that publishes the item's stag
        factor tiles 0-1 (dead after phase 3)                                       -> barrier
     5  every thread: two entries of W as hi / lo to global; W application: warp w computes
        channels 32 w .. 32 w + 31 of neg_kw = W (-k 2^G) (both rounded to TF32 as their
-       fragments are loaded)
+       fragments are loaded) into a swizzled staging tile, which warp 0 stores to the workspace
+       with one TMA copy after the next item's first barrier (NEG_KW_STAGING_OFFSET)
 Measured (H200, alternating A/B, benchmarks/results/h200/prepare_phases_ab.txt): taking the norm
 sums from the stage and W's hi/lo and TF32 rounding off warp 0 made prepare 5-7 % faster on every
 case timed (96 heads x 8K: 510 -> 476 us).
@@ -911,7 +912,7 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     # neg_kw = W (-k 2^G) with both rounded to TF32 as their fragments are loaded (TF32 rounding
     # (to nearest, ties away), the MMA's products and sums and bf16 rounding are all odd functions,
     # so this is -(W (k 2^G)) bit for bit, with no negation left to do); warp w owns channels
-    # 32 w .. 32 w + 31.
+    # 32 w .. 32 w + 31, written to the staging tile (stored by TMA: store_neg_kw).
     w_row = d // 8
     w_pair = d % 8
     pair_hi = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
