@@ -123,9 +123,10 @@ def _custom_call(cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, pha
     q, v = operands["q"], operands["v"]
     units = cfg.num_seqs * plan.num_segments
     o_shape = (0, 0, 0, 0) if phase == Phase.SUMMARY else v.shape
-    final_entries = 0 if phase == Phase.SUMMARY or not output_final_state else units
     state = (cfg.head_v, cfg.head_k) if state_v_first else (cfg.head_k, cfg.head_v)
-    final_shape = (final_entries, cfg.num_v_heads, *state) if final_entries else (0,)
+    # [units, HV, ...] whenever the call returns states (units may be 0: cu_seqlens = [0]), else empty.
+    returns_states = phase != Phase.SUMMARY and output_final_state
+    final_shape = (units, cfg.num_v_heads, *state) if returns_states else (0,)
     aliases = {}
     if state_in_place:
         aliases[_INITIAL_STATE] = _FINAL_STATE

@@ -123,6 +123,26 @@ def test_packed_call_passes_cu_seqlens_and_skips_absent_state():
     assert "output_operand_aliases" not in call
 
 
+@pytest.mark.parametrize("segments", [None, 3])
+def test_packed_call_with_no_sequence_returns_an_empty_state_of_the_declared_shape(segments):
+    """cu_seqlens = [0] over T > 0 tokens (N = 0): the custom calls' final state is [0, HV, 128, 128],
+    the shape the primitive declares, one call or segmented."""
+    t, h, hv, d = 100, 3, 6, 128
+    x, v, beta = S((1, t, h, d), jnp.bfloat16), S((1, t, hv, d), jnp.bfloat16), S((1, t, hv), jnp.bfloat16)
+
+    def f(q, k, v, g, beta, cu, state):
+        return prefill_with_kernels(Kernels.SM90, q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
+                                    num_segments=segments, output_final_state=True)
+
+    specs = [x, x, v, v, beta, S((1,), jnp.int32), S((0, hv, d, d), jnp.float32)]
+    lowered = jax.jit(f).trace(*specs)
+    assert lowered.out_info[1].shape == (0, hv, d, d)
+    calls = _custom_calls(lowered.lower(lowering_platforms=("cuda",)).as_text())
+    assert len(calls) == (1 if segments is None else 2)
+    assert all("num_sequences = 0 : i32" in c for c in calls)
+    assert f"tensor<0x{hv}x128x128xf32>" in calls[-1].split("->")[1]
+
+
 def test_auto_lowers_to_the_kernels_for_cuda_and_the_xla_path_elsewhere():
     f, specs = _call(packed=True)
     assert len(_custom_calls(_lower(f, specs, ("cuda",)))) == 1

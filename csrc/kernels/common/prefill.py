@@ -91,7 +91,9 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
     ws = _workspace_regions(workspace, rows)
     neg_kw, qd, kr, mqk = ws["neg_kw"], ws["qd"], ws["kr"], ws["mqk"]
     w_hi, w_lo, decay = ws["w_hi"], ws["w_lo"], ws["decay"]
-    if rows > 0 and phase != Phase.APPLY:
+    # Prepare runs only for the recurrence's sake: with no sequence (N = 0, cu_seqlens = [0]) its
+    # rows hold T's slots but nothing reads them, and its sequence lookup would read cu_seqlens[1].
+    if rows > 0 and units > 0 and phase != Phase.APPLY:
         # Persistent: as many CTAs as fit at once (num_sms: the device's SM count), each striding
         # over the rows.
         ctas = cutlass.min(rows, cutlass.max(num_sms, 1) * prepare_chunks.CTAS_PER_SM)
