@@ -149,8 +149,11 @@ def _bounds(cu, n, total):
     return bos, min(max(cu[n + 1], bos), total)
 
 
-def _slot_chunk_by_search(cu, n_seqs, total, slot):
-    """prepare_chunks' slot -> chunk map, as a binary search: the largest n with base(n) <= slot."""
+def _slot_chunk(cu, n_seqs, total, slot):
+    """prepare_chunks' slot_chunk: (tok0, valid) of chunk slot `slot`, the owning sequence (the largest
+    n with base(n) <= slot) found by bisection; (0, 0) below base(0) or with no sequence."""
+    if n_seqs == 0:
+        return 0, 0
     lo, hi = 0, n_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -159,62 +162,69 @@ def _slot_chunk_by_search(cu, n_seqs, total, slot):
         else:
             hi = mid - 1
     bos, eos = _bounds(cu, lo, total)
-    tok0 = bos + (slot - (bos // 16 + lo)) * 16
+    chunk = slot - (bos // 16 + lo)
+    if chunk < 0:
+        return 0, 0
+    tok0 = bos + chunk * 16
     return tok0, max(min(eos - tok0, 16), 0)
 
 
-def _cursor_search(base, seq, slot, n_seqs):
-    """locate_item's search from the cursor (base(seq + 1) <= slot): gallop with doubling steps,
-    then bisect the last step, as the kernel does."""
-    lo, step = seq + 1, 1
-    while base(lo + step) <= slot:
-        lo, step = lo + step, step * 2
-    hi = min(lo + step - 1, n_seqs - 1)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if base(mid) <= slot else (lo, mid - 1)
-    return lo
+def _item_table_walk(first, ctas, items, heads, lookup, table=128):
+    """The (item, (tok0, valid)) a persistent CTA works through, as prepare_chunks_kernel reads them
+    from its item table: filled for items first + e * ctas (e < table), then, whenever the entry
+    index reaches `table`, refilled from the next item on."""
+    def fill(window_item):
+        return [lookup(i // heads) if i < items else (0, 0) for i in window_item + ctas * np.arange(table)]
+
+    entries, entry, item = fill(first), 0, first
+    while item < items:
+        yield item, entries[entry]
+        entry += 1
+        if entry == table:
+            entries, entry = fill(item + ctas), 0
+        item += ctas
 
 
-def test_sequence_cursor_matches_binary_search():
-    """prepare_chunks' persistent CTAs find each item's sequence with a cursor that only moves
-    forward and a galloping search from it (csrc/kernels/common/prepare_chunks.py, locate_item);
-    same chunks as a binary search over all sequences."""
+def test_item_table_gives_every_item_its_chunk():
+    """prepare_chunks' persistent CTAs read each item's (tok0, valid) from a shared-memory table that
+    each thread fills with one bisection (csrc/kernels/common/prepare_chunks.py, fill_item_table):
+    the chunks of the sequence layout (sequence n's chunks c at slots base(n) + c), every item once,
+    valid 0 for slots that belong to no chunk (tokens before cu_seqlens[0], zero-length sequences)."""
     rng = np.random.default_rng()
-    big = 2**31 - 1
-    for _ in range(500):
+    for _ in range(300):
         lens = rng.choice([0, 0, 1, 5, 16, 17, 33, 100], size=rng.integers(1, 40))
-        cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
-        n_seqs, total = len(lens), cu[-1]
+        start = int(rng.choice([0, 0, 0, 7, 40]))  # tokens before the first sequence belong to none
+        cu = (start + np.concatenate([[0], np.cumsum(lens)])).tolist()
+        n_seqs, total = len(lens), cu[-1] + int(rng.choice([0, 0, 9]))
+        expected = {}
+        for n in range(n_seqs):
+            bos, eos = cu[n], cu[n + 1]
+            for c in range(max(1, -(-(eos - bos) // 16))):
+                expected[bos // 16 + n + c] = (bos + 16 * c, max(min(eos - bos - 16 * c, 16), 0))
         heads, ctas = int(rng.integers(1, 6)), int(rng.integers(1, 40))
-        base = lambda n: big if n >= n_seqs else _bounds(cu, n, total)[0] // 16 + n  # noqa: E731
+        table = int(rng.choice([1, 3, 128]))
         items = (total // 16 + n_seqs) * heads
+        seen = []
         for first in range(min(ctas, items)):
-            seq, (bos, eos), next_base = 0, _bounds(cu, 0, total), base(1)
-            for item in range(first, items, ctas):
-                slot = item // heads
-                if slot >= next_base:
-                    seq = _cursor_search(base, seq, slot, n_seqs)
-                    (bos, eos), next_base = _bounds(cu, seq, total), base(seq + 1)
-                tok0 = bos + (slot - (bos // 16 + seq)) * 16
-                valid = max(min(eos - tok0, 16), 0)
-                want_tok0, want_valid = _slot_chunk_by_search(cu, n_seqs, total, slot)
-                assert valid == want_valid and (valid == 0 or tok0 == want_tok0), (cu, slot)
+            for item, (tok0, valid) in _item_table_walk(first, ctas, items, heads,
+                                                        lambda slot: _slot_chunk(cu, n_seqs, total, slot), table):
+                want_tok0, want_valid = expected.get(item // heads, (0, 0))
+                assert valid == want_valid and (valid == 0 or tok0 == want_tok0), (cu, item)
+                seen.append(item)
+        assert sorted(seen) == list(range(items))
 
 
-def test_cursor_search_stays_in_range_on_malformed_cu_seqlens():
-    """With a cu_seqlens that is not monotone the search may pick a wrong sequence, but always one
-    after the cursor's and before the end (the kernel then clamps the bounds)."""
+def test_slot_chunk_stays_in_bounds_on_malformed_cu_seqlens():
+    """With a cu_seqlens that is not monotone, negative or past T, a slot may get a wrong chunk,
+    but always tokens [tok0, tok0 + valid) inside [0, T) (the kernel reads only those)."""
     rng = np.random.default_rng()
-    big = 2**31 - 1
     for _ in range(2000):
-        n_seqs = int(rng.integers(2, 300))
+        n_seqs = int(rng.integers(0, 300))
         cu = rng.integers(-50, 5000, size=n_seqs + 1).tolist()
         total = int(rng.integers(0, 5000))
-        base = lambda n: big if n >= n_seqs else _bounds(cu, n, total)[0] // 16 + n  # noqa: E731
-        seq = int(rng.integers(0, n_seqs - 1))
-        slot = int(rng.integers(base(seq + 1), base(seq + 1) + 400))  # the search's precondition
-        assert seq + 1 <= _cursor_search(base, seq, slot, n_seqs) <= n_seqs - 1
+        for slot in rng.integers(0, total // 16 + n_seqs + 1, size=20):
+            tok0, valid = _slot_chunk(cu, n_seqs, total, int(slot))
+            assert 0 <= valid <= 16 and (valid == 0 or 0 <= tok0 and tok0 + valid <= total), (cu, total, slot)
 
 
 def test_item_stepping_matches_division():

@@ -106,9 +106,12 @@ HALF_SWAP_WORDS = HALF_SWAP_BYTES // 4
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
 # one. Measured on the H200 (96 heads x 8K, prepare alone, version 8): 3 CTAs per SM 673 us; 4 CTAs
-# per SM 639 us. Since v left the stages a CTA needs 45 136 B of shared memory (53 328 B with fp32 g), so registers (128
+# per SM 639 us. Since v left the stages a CTA needs 46 160 B of shared memory (54 352 B with fp32 g), so registers (128
 # a thread for 4 CTAs of 128 threads) are the limit; 5 CTAs held to 96 registers measured no faster.
 CTAS_PER_SM = PREPARE_CTAS_PER_SM
+# Each CTA keeps (tok0, valid) of its next ITEM_TABLE items in shared memory, one entry computed by
+# each thread (fill_item_table), refilled every ITEM_TABLE items.
+ITEM_TABLE = THREADS
 INPUT_TILES = 3       # q, k, g (v goes from the input straight to the recurrence)
 INPUT_STAGES = 2
 QK_TILE_BYTES = CHUNK * HEAD_DIM * 2  # a bf16 q or k tile [16, 128]: 4 096
@@ -162,10 +165,10 @@ assert all(CHUNK * HEAD_DIM * size % (16 * THREADS) == 0 for size in (2, 4))
 def shared_memory_bytes(g_bytes: int) -> int:
     """Shared memory of one CTA (g in `g_bytes`-byte elements): the two input stages, two factor
     tiles (reused for an operand tile), L (transposed) and W [16, 20] each, beta, the l2-norm partial sums and
-    norms, the fast-path vote. 45 136 B with bf16 g, 53 328 B with fp32 g: CTAS_PER_SM fit either
-    way (4 x (53 328 + 1 024 reserved) B <= 228 KB)."""
+    norms, the fast-path vote, the item table. 46 160 B with bf16 g, 54 352 B with fp32 g: CTAS_PER_SM fit
+    either way (4 x (54 352 + 1 024 reserved) B <= 228 KB)."""
     return (INPUT_STAGES * stage_bytes(g_bytes) + FACTOR_TILES_BYTES + CHUNK * OPERAND_PITCH * 4
-            + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4 + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4)
+            + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4 + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4 + ITEM_TABLE * 2 * 4)
 
 
 def neg_kw_staging_layout():
@@ -231,56 +234,59 @@ def stage_sums_of_squares(s_stage: cute.Tensor, s_norm: cute.Tensor, valid: Int3
 
 
 @cute.jit
-def locate_item(item: Int32, slot: Int32, items: Int32, cu_seqlens: cute.Tensor, num_seqs: Int32,
-                dense_len: Int32, total_tokens: Int32, varlen: cutlass.Boolean,
-                seq: Int32, bos: Int32, eos: Int32, next_base: Int32):
-    """(tok0, valid) of work item `item` = slot * HV + hv: the chunk's first token and its number
-    of tokens (0 for items past the end and for slots that belong to no chunk), plus the updated
-    cursor (seq, bos, eos, next_base = base(seq + 1)).
-
-    A CTA's items come in increasing slot order, so the owning sequence (the largest n with
-    base(n) <= slot) never moves back: the cursor answers most items with no memory access, and
-    a search over the later sequences runs only when the slot passes base(seq + 1). It gallops
-    from the cursor (base(seq + 2), base(seq + 4), base(seq + 8), ...: steps doubling) and then
-    bisects the last step, so it costs about 2 log2(distance) dependent loads, not log2(N): a
-    CTA's slot moves by num_ctas // HV per item, a few sequences at most on batches of short
-    prompts, where the search runs at almost every item. Measured (H200, 2026-12-01, two
-    alternating A/B rounds, benchmarks/results/h200/prepare_gallop_ab.txt): against the plain
-    bisection over the later sequences, prepare 403 -> 375 us on 128-token prompts at 32 heads and
-    436 -> 424 us on mixed 100-900-token prompts, the same within 1-2 us on one-sequence calls.
-    Measured alternative (H200, 2026-12-01, two alternating A/B rounds): the warp testing the
-    next 32 sequences at once (one load a lane, one ballot) made prepare 8 % faster on 128-token
-    prompts at 32 heads (426 -> 393 us) but 1.8 % slower on the many-head grid cases, where the
-    search rarely runs (h96_fixed8k 511 -> 520 us): not adopted
-    (benchmarks/results/h200/prepare_search_ab.txt)."""
+def slot_chunk(slot: Int32, cu_seqlens: cute.Tensor, num_seqs: Int32, dense_len: Int32, total_tokens: Int32,
+               varlen: cutlass.Boolean):
+    """(tok0, valid) of chunk slot `slot`: the chunk's first token and its number of tokens, 0 for
+    a slot that belongs to no chunk. The owning sequence is the largest n with base(n) <= slot, found
+    by bisection over all sequences (log2 N dependent loads of cu_seqlens); a slot below base(0)
+    (tokens before cu_seqlens[0]) or with N = 0 has none. With a malformed cu_seqlens the sequence
+    may be wrong, but tok0 stays in [bos, eos) of one whose bounds are clamped into [0, T]."""
     tok0 = Int32(0)
     valid = Int32(0)
+    if num_seqs > 0:
+        lo = Int32(0)
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sequence_base(cu_seqlens, mid, num_seqs, dense_len, total_tokens, varlen) <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        bos, eos = sequence_bounds(cu_seqlens, lo, dense_len, total_tokens, varlen)
+        chunk = slot - (bos // CHUNK + lo)
+        if chunk >= 0:
+            tok0 = bos + chunk * CHUNK
+            valid = cutlass.max(cutlass.min(eos - tok0, CHUNK), 0)
+    return tok0, valid
+
+
+@cute.jit
+def fill_item_table(s_items: cute.Tensor, window_item: Int32, num_ctas: Int32, items: Int32, num_v_heads: Int32,
+                    cu_seqlens: cute.Tensor, num_seqs: Int32, dense_len: Int32, total_tokens: Int32,
+                    varlen: cutlass.Boolean, tid: Int32):
+    """s_items[tid] = (tok0, valid) of the CTA's item window_item + tid * num_ctas (0, 0 past the
+    last item): the CTA's next ITEM_TABLE items, one search a thread, all at once. Callers put a CTA
+    barrier before (every read of the old entries done) and after (the new ones visible).
+
+    It replaces a per-CTA cursor that only moved forward with a galloping search from it, which
+    ran at almost every item on batches of short prompts (a CTA's slot moves by num_ctas // HV an
+    item): one thread's dependent loads on the item loop's path, against 128 searches in parallel
+    once every 128 items."""
+    item = window_item + tid * num_ctas
+    entry = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+    entry[0] = Int32(0)
+    entry[1] = Int32(0)
     if item < items:
-        if slot >= next_base:
-            # Invariant kept: base(lo) <= slot (base(seq + 1) <= slot to start with). The gallop
-            # ends: base(n) of n >= num_seqs is above every slot.
-            lo = seq + 1
-            step = Int32(1)
-            probe = sequence_base(cu_seqlens, lo + step, num_seqs, dense_len, total_tokens, varlen)
-            while probe <= slot:
-                lo = lo + step
-                step = step * 2
-                probe = sequence_base(cu_seqlens, lo + step, num_seqs, dense_len, total_tokens, varlen)
-            # base(lo + step) > slot: the sequence is one of lo .. lo + step - 1.
-            hi = cutlass.min(lo + step - 1, num_seqs - 1)
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if sequence_base(cu_seqlens, mid, num_seqs, dense_len, total_tokens, varlen) <= slot:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            seq = lo
-            bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, varlen)
-            next_base = sequence_base(cu_seqlens, seq + 1, num_seqs, dense_len, total_tokens, varlen)
-        chunk = slot - (bos // CHUNK + seq)
-        tok0 = bos + chunk * CHUNK
-        valid = cutlass.max(cutlass.min(eos - tok0, CHUNK), 0)
-    return tok0, valid, seq, bos, eos, next_base
+        entry[0], entry[1] = slot_chunk(item // num_v_heads, cu_seqlens, num_seqs, dense_len, total_tokens, varlen)
+    cute.autovec_copy(entry, s_items[tid, None])
+
+
+@cute.jit
+def read_item_table(s_items: cute.Tensor, index: Int32):
+    """(tok0, valid) of table entry `index` (one 8-byte shared load)."""
+    entry = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+    cute.autovec_copy(s_items[index, None], entry)
+    return entry[0], entry[1]
 
 
 @cute.jit
@@ -470,6 +476,7 @@ def prepare_chunks_kernel(
     s_norm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)   # 512 B
     s_rnorm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)  # 512 B
     s_fast = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)                                  # 16 B
+    s_items = smem.allocate_tensor(Int32, cute.make_layout((ITEM_TABLE, 2), stride=(2, 1)), 16)        # 1 024 B
 
     # cp.async.cg: 16-byte copies that skip L1 (each byte is read once).
     load_atom = cute.make_copy_atom(cpasync.CopyG2SOp(LoadCacheMode.GLOBAL), cutlass.BFloat16,
@@ -487,13 +494,13 @@ def prepare_chunks_kernel(
     hq = hv // group
     r = hv - hq * group
 
-    # Prologue: the sequence cursor at sequence 0, the first item's inputs into stage 0.
-    seq = Int32(0)
-    bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, varlen)
-    next_base = sequence_base(cu_seqlens, seq + 1, num_seqs, dense_len, total_tokens, varlen)
+    # Prologue: the item table of the first ITEM_TABLE items, the first item's inputs into stage 0.
     item = first_item
-    tok0, valid, seq, bos, eos, next_base = locate_item(
-        item, slot, items, cu_seqlens, num_seqs, dense_len, total_tokens, varlen, seq, bos, eos, next_base)
+    fill_item_table(s_items, item, num_ctas, items, num_v_heads, cu_seqlens, num_seqs, dense_len, total_tokens,
+                    varlen, d)
+    cute.arch.sync_threads()
+    tok0, valid = read_item_table(s_items, 0)
+    entry = Int32(0)  # the current item's table entry
     issue_input_loads(load_atom, g_atom, stage_qk(s_in, 0), stage_g(s_in, 0, g.element_type), q, k, g,
                       tok0, valid, hq, hv, d)
     cute.arch.cp_async_commit_group()
@@ -511,9 +518,15 @@ def prepare_chunks_kernel(
         next_item = item + num_ctas
         n_slot, n_hv, n_hq, n_r = advance_item(slot, hv, hq, r, step_slot, step_hv, step_hq, step_r,
                                                group, num_v_heads, num_q_heads)
-        n_tok0, n_valid, seq, bos, eos, next_base = locate_item(
-            next_item, n_slot, items, cu_seqlens, num_seqs, dense_len, total_tokens, varlen,
-            seq, bos, eos, next_base)
+        entry = entry + 1
+        if entry == ITEM_TABLE:
+            # The next item starts a new table: every thread has read the old one (before the
+            # barrier above), so it is overwritten now and published by one more barrier.
+            fill_item_table(s_items, next_item, num_ctas, items, num_v_heads, cu_seqlens, num_seqs, dense_len,
+                            total_tokens, varlen, d)
+            cute.arch.sync_threads()
+            entry = Int32(0)
+        n_tok0, n_valid = read_item_table(s_items, entry)
         issue_input_loads(load_atom, g_atom, stage_qk(s_in, 1 - stage), stage_g(s_in, 1 - stage, g.element_type),
                           q, k, g, n_tok0, n_valid, n_hq, n_hv, d)
         cute.arch.cp_async_commit_group()
