@@ -106,7 +106,7 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
             units, dense_len, flags, scale, lower_bound,
         ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream,
                  # The largest carveout: the persistent grid assumes CTAS_PER_SM fit at once
-                 # (prepare_chunks.shared_memory_bytes: 4 x (53 328 + 1 024 reserved) B at most).
+                 # (prepare_chunks.shared_memory_bytes: 4 x (54 352 + 1 024 reserved) B at most).
                  preferred_smem_carveout=100)
     if units * num_v_heads > 0:
         # Segmented calls: per-segment B and M, then start states, after the regions above.
