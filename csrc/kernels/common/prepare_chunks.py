@@ -171,6 +171,13 @@ def shared_memory_bytes(g_bytes: int) -> int:
             + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4 + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4 + ITEM_TABLE * 2 * 4)
 
 
+# The persistent grid sizes itself for CTAS_PER_SM resident CTAs an SM (Hopper and the SM100 family:
+# 228 KB of shared memory an SM, 1 KB of it reserved per CTA): an edit that outgrows it fails here.
+SM_SHARED_MEMORY_BYTES = 228 * 1024
+RESERVED_SHARED_BYTES_PER_CTA = 1024
+assert CTAS_PER_SM * (shared_memory_bytes(4) + RESERVED_SHARED_BYTES_PER_CTA) <= SM_SHARED_MEMORY_BYTES
+
+
 def neg_kw_staging_layout():
     """The smem layout of phase 5's neg_kw staging tile [16 tokens, 128 channels, 1] bf16: the
     recurrence's own TMA layout for the same operand (128-byte swizzle in 64-channel blocks), with
