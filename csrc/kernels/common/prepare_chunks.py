@@ -107,7 +107,10 @@ HALF_SWAP_WORDS = HALF_SWAP_BYTES // 4
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
 # one. Measured on the H200 (96 heads x 8K, prepare alone, version 8): 3 CTAs per SM 673 us; 4 CTAs
 # per SM 639 us. Since v left the stages a CTA needs 46 160 B of shared memory (54 352 B with fp32 g), so registers (128
-# a thread for 4 CTAs of 128 threads) are the limit; 5 CTAs held to 96 registers measured no faster.
+# a thread for 4 CTAs of 128 threads) are the limit; 5 CTAs held to 96 registers measured no faster,
+# and, with the item table halved (45 648 B a CTA), 19-22 % slower: Nsight Compute shows four resident
+# at most (200.7 KB of shared memory configured, and a barrier limit of four), so a 5 x SMs grid runs
+# as 1.25 waves (benchmarks/results/h200/prepare_phase5_hoist_ab.txt).
 CTAS_PER_SM = PREPARE_CTAS_PER_SM
 # Each CTA keeps (tok0, valid) of its next ITEM_TABLE items in shared memory, one entry computed by
 # each thread (fill_item_table), refilled every ITEM_TABLE items.
@@ -948,17 +951,22 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
     frag_kd = thr.make_fragment_B(thr.partition_shape_B((8, CHUNK)))
     acc_kd = thr.make_fragment_C(thr.partition_shape_C((CHUNK, 8)))
     w_words = cute.make_rmem_tensor(cute.make_layout(2 * 4), Int32)
-    kd_words = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+    kd_words = cute.make_rmem_tensor(cute.make_layout(4 * 4), Int32)
     for kb in cutlass.range_constexpr(CHUNK // MMA_K):
         load_fragments(s_w, lane % 16, kb * MMA_K + (lane // 16) * 4, w_words, 4 * kb)
+    # All four n-tiles' fragments of -k 2^G before the first staging store: the staging tile shares
+    # s_fac with the operand tile, so the compiler keeps a load behind every earlier store (one
+    # ldmatrix latency an n-tile on the warp's path, as written in one loop).
+    for nt in cutlass.range_constexpr(32 // 8):
+        ch0 = warp * 32 + nt * 8
+        # Lanes 8 j .. 8 j + 7: channels ch0 .. ch0 + 7 at tokens 4 j .. 4 j + 3.
+        load_fragments(s_neg_kd_bits, ch0 + lane % 8, operand_unit(ch0 + lane % 8, lane // 8) * 4, kd_words, 4 * nt)
     for e in cutlass.range_constexpr(2 * 4):
         frag_w[e] = tf32_bits(float_bits(w_words[e]))
     for nt in cutlass.range_constexpr(32 // 8):
         ch0 = warp * 32 + nt * 8
-        # Lanes 8 j .. 8 j + 7: channels ch0 .. ch0 + 7 at tokens 4 j .. 4 j + 3.
-        load_fragments(s_neg_kd_bits, ch0 + lane % 8, operand_unit(ch0 + lane % 8, lane // 8) * 4, kd_words, 0)
         for e in cutlass.range_constexpr(4):
-            frag_kd[e] = tf32_bits(float_bits(kd_words[e]))
+            frag_kd[e] = tf32_bits(float_bits(kd_words[4 * nt + e]))
         acc_kd.fill(0.0)
         cute.gemm(mma, acc_kd, frag_w, frag_kd, acc_kd)
         # Accumulator values (2 h, 2 h + 1) are columns (n, n + 1) of one row: paired stores.
