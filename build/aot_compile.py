@@ -253,10 +253,13 @@ def describe_loop(loop: tuple[int, dict[str, int]]) -> str:
 def check(dump_dir: pathlib.Path) -> bool:
     """Registers and spills of every kernel kept under `dump_dir`; False if one breaks a limit."""
     cubin = load_by_path("kda_cubin", "jax_kda/_cubin.py")
-    limits = {
-        "prepare_chunks": cubin.max_registers(contract.PREPARE_CTAS_PER_SM, contract.PREPARE_THREADS),
-        "recurrence": cubin.max_registers(contract.RECURRENCE_CTAS_PER_SM, contract.RECURRENCE_THREADS),
-    }
+    gates = {e.name: e.gates for e in contract.KERNEL_EXPORTS}
+
+    def register_limits(export: str) -> dict[str, int]:
+        return {
+            "prepare_chunks": cubin.max_registers(contract.PREPARE_CTAS_PER_SM[gates[export].g], contract.PREPARE_THREADS),
+            "recurrence": cubin.max_registers(contract.RECURRENCE_CTAS_PER_SM, contract.RECURRENCE_THREADS),
+        }
     sys.path.insert(0, str(KERNEL_SOURCE_DIR))
     from common import combine_segments, prepare_chunks
 
@@ -276,6 +279,7 @@ def check(dump_dir: pathlib.Path) -> bool:
         spills = ptxas_usage(str(ptx), arch) if ptx.is_file() and shutil.which("ptxas") else {}
         # The recurrence's chunk loop, what a recurrence change moves first (sm_90a: the H200's code).
         loops = cubin_chunk_loops(path, disassembler) if disassembler and arch == "sm_90a" else {}
+        limits = register_limits(path.parent.name)
         for kernel, registers in sorted(cubin.register_counts(image).items(), key=lambda kv: kernel_family(kv[0])):
             family = kernel_family(kernel)
             _, spill_st, spill_ld, serialized, waits = spills.get(kernel, (0, None, None, False, False))

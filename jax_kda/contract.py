@@ -46,7 +46,9 @@ MAX_SEGMENTS = 64
 # both (tests/test_native.py reads them out of the built extension); the planner's wave model
 # assumes the recurrence's.
 PREPARE_THREADS = 128
-PREPARE_CTAS_PER_SM = 4
+# By the dtype of g, whose tiles fill most of prepare's input stages: five CTAs of bf16 g fit an
+# SM's shared memory (and 96 registers a thread its register file), four of fp32 g.
+PREPARE_CTAS_PER_SM = {"bfloat16": 5, "float32": 4}
 RECURRENCE_THREADS = 160  # 4 MMA warps + 1 TMA producer warp
 RECURRENCE_CTAS_PER_SM = 2
 

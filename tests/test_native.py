@@ -8,6 +8,7 @@ version-compatibility rule, registration, and that the C++ side agrees with jax_
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 from jaxlib import xla_client
@@ -86,13 +87,22 @@ def test_extension_sizes_the_workspace_like_the_contract(tokens, sequences, segm
 
 
 # The occupancy each prefill kernel is built around, as (CTAs per SM, threads per CTA)
-# (jax_kda/contract.py): prepare's persistent grid assumes 4 CTAs of 128 threads, the recurrence two
-# CTAs of 160 threads per SM. That allows 128 and 168 registers a thread
-# (jax_kda._cubin.max_registers). A compiler update (e.g. of the pinned nvidia-cutlass-dsl) or an
-# edit that crossed them would silently halve the speed; nothing else would notice. The margins are
-# small on purpose: today prepare uses 126-127 and the sm90 recurrence exactly 168.
-OCCUPANCY = {"prepare_chunks": (contract.PREPARE_CTAS_PER_SM, contract.PREPARE_THREADS),
-             "recurrence": (contract.RECURRENCE_CTAS_PER_SM, contract.RECURRENCE_THREADS)}
+# (jax_kda/contract.py): prepare's persistent grid assumes 5 CTAs of 128 threads with bf16 g and 4
+# with fp32 g, the recurrence two CTAs of 160 threads per SM. That allows 96 or 128 and 168
+# registers a thread (jax_kda._cubin.max_registers). A compiler update (e.g. of the pinned
+# nvidia-cutlass-dsl) or an edit that crossed them would silently cost a fifth to a half of the
+# speed; nothing else would notice. The margins are small on purpose: the sm90 recurrence uses
+# exactly 168.
+def occupancy(kernel: str) -> tuple[str, int, int] | None:
+    """(family, CTAs per SM, threads per CTA) of a prefill kernel, from its symbol name; None for
+    the others. prepare's name spells its tensor arguments q, k, g first, each as tensorptr<dtype>."""
+    if "prepare_chunks" in kernel:
+        g = re.findall(r"tensorptr(bf16|f32)", kernel)[2]
+        g_dtype = {"bf16": "bfloat16", "f32": "float32"}[g]
+        return "prepare_chunks " + g_dtype, contract.PREPARE_CTAS_PER_SM[g_dtype], contract.PREPARE_THREADS
+    if "recurrence" in kernel:
+        return "recurrence", contract.RECURRENCE_CTAS_PER_SM, contract.RECURRENCE_THREADS
+    return None
 
 
 @requires_extension
@@ -101,13 +111,14 @@ def test_embedded_prefill_kernels_fit_their_occupancy():
     for cubin in embedded_cubins(pathlib.Path(_native.load().__file__).read_bytes()):
         arch = cubin_arch(cubin)
         for kernel, registers in register_counts(cubin).items():
-            for part, (ctas, threads) in OCCUPANCY.items():
-                if part in kernel:
-                    seen.add((arch, part))
-                    limit = max_registers(ctas, threads)
-                    assert registers <= limit, f"{arch} {kernel}: {registers} registers > {limit}"
+            if (found := occupancy(kernel)) is not None:
+                family, ctas, threads = found
+                seen.add((arch, family))
+                limit = max_registers(ctas, threads)
+                assert registers <= limit, f"{arch} {kernel}: {registers} registers > {limit}"
     # Every kernel family found on every architecture (so that a parse that finds nothing fails).
-    assert seen == {(arch, part) for arch in _native.compiled_archs() for part in OCCUPANCY}
+    families = ["recurrence"] + ["prepare_chunks " + g for g in contract.GATE_DTYPES]
+    assert seen == {(arch, family) for arch in _native.compiled_archs() for family in families}
 
 
 @pytest.mark.parametrize(

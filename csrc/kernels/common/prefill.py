@@ -96,7 +96,8 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
     if rows > 0 and units > 0 and phase != Phase.APPLY:
         # Persistent: as many CTAs as fit at once (num_sms: the device's SM count), each striding
         # over the rows.
-        ctas = cutlass.min(rows, cutlass.max(num_sms, 1) * prepare_chunks.CTAS_PER_SM)
+        per_sm = prepare_chunks.CTAS_PER_SM[g.element_type.width // 8]
+        ctas = cutlass.min(rows, cutlass.max(num_sms, 1) * per_sm)
         # neg_kw leaves each CTA's shared memory by TMA (prepare_chunks.NEG_KW_STAGING_OFFSET).
         tma_neg_kw, g_neg_kw = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), neg_kw,
@@ -105,9 +106,9 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
             q, k, g, beta, a_log, dt_bias, cu_seqlens, tma_neg_kw, g_neg_kw, qd, kr, mqk, w_hi, w_lo, decay,
             units, dense_len, flags, scale, lower_bound,
         ).launch(grid=[ctas, 1, 1], block=[prepare_chunks.THREADS, 1, 1], stream=stream,
-                 # The largest carveout: the persistent grid assumes CTAS_PER_SM fit at once
-                 # (prepare_chunks.shared_memory_bytes: 4 x (54 352 + 1 024 reserved) B at most).
-                 preferred_smem_carveout=100)
+                 # The largest carveout and a register bound: the persistent grid assumes per_sm
+                 # CTAs fit at once (prepare_chunks.CTAS_PER_SM).
+                 preferred_smem_carveout=100, min_blocks_per_mp=per_sm)
     if units * num_v_heads > 0:
         # Segmented calls: per-segment B and M, then start states, after the regions above.
         seg_base = cutlass.Int64(rows) * WORKSPACE_BYTES_PER_ROW

@@ -105,16 +105,14 @@ HALF_SWAP_WORDS = HALF_SWAP_BYTES // 4
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
-# one. Measured on the H200 (96 heads x 8K, prepare alone, version 8): 3 CTAs per SM 673 us; 4 CTAs
-# per SM 639 us. Since v left the stages a CTA needs 46 160 B of shared memory (54 352 B with fp32 g), so registers (128
-# a thread for 4 CTAs of 128 threads) are the limit; 5 CTAs held to 96 registers measured no faster,
-# and, with the item table halved (45 648 B a CTA), 19-22 % slower: Nsight Compute shows four resident
-# at most (200.7 KB of shared memory configured, and a barrier limit of four), so a 5 x SMs grid runs
-# as 1.25 waves (benchmarks/results/h200/prepare_phase5_hoist_ab.txt).
-CTAS_PER_SM = PREPARE_CTAS_PER_SM
+# one. CTAS_PER_SM[g's element bytes] of them an SM (contract.PREPARE_CTAS_PER_SM): the kernel is
+# latency-bound, so more warps an SM pay while they fit. With bf16 g five CTAs fit, held to 96
+# registers a thread by the launch bound (45 392 B of shared memory each); with fp32 g (53 584 B)
+# four, at up to 128 registers. Residency also needs the CTA to name few barriers (phase 3).
+CTAS_PER_SM = {2: PREPARE_CTAS_PER_SM["bfloat16"], 4: PREPARE_CTAS_PER_SM["float32"]}
 # Each CTA keeps (tok0, valid) of its next ITEM_TABLE items in shared memory, one entry computed by
-# each thread (fill_item_table), refilled every ITEM_TABLE items.
-ITEM_TABLE = THREADS
+# each of the first ITEM_TABLE threads (fill_item_table), refilled every ITEM_TABLE items.
+ITEM_TABLE = THREADS // 4
 INPUT_TILES = 3       # q, k, g (v goes from the input straight to the recurrence)
 INPUT_STAGES = 2
 QK_TILE_BYTES = CHUNK * HEAD_DIM * 2  # a bf16 q or k tile [16, 128]: 4 096
@@ -168,17 +166,27 @@ assert all(CHUNK * HEAD_DIM * size % (16 * THREADS) == 0 for size in (2, 4))
 def shared_memory_bytes(g_bytes: int) -> int:
     """Shared memory of one CTA (g in `g_bytes`-byte elements): the two input stages, two factor
     tiles (reused for an operand tile), L (transposed) and W [16, 20] each, beta, the l2-norm partial sums and
-    norms, the fast-path vote, the item table. 46 160 B with bf16 g, 54 352 B with fp32 g: CTAS_PER_SM fit
-    either way (4 x (54 352 + 1 024 reserved) B <= 228 KB)."""
+    norms, the fast-path vote, the item table: 45 392 B with bf16 g, 53 584 B with fp32 g."""
     return (INPUT_STAGES * stage_bytes(g_bytes) + FACTOR_TILES_BYTES + CHUNK * OPERAND_PITCH * 4
             + CHUNK * OPERAND_PITCH * 4 + CHUNK * 4 + 2 * WARPS * 2 * CHUNK * 4 + WARPS * 4 + ITEM_TABLE * 2 * 4)
 
 
 # The persistent grid sizes itself for CTAS_PER_SM resident CTAs an SM (Hopper and the SM100 family:
-# 228 KB of shared memory an SM, 1 KB of it reserved per CTA): an edit that outgrows it fails here.
+# 228 KB of shared memory an SM, allocated to a CTA in 128-byte units, plus 1 KB reserved per CTA):
+# an edit that outgrows it fails here. (With 64 item-table entries, 45 648 B, five CTAs missed by
+# 128 B, and the driver configured the SM for four.)
 SM_SHARED_MEMORY_BYTES = 228 * 1024
+SHARED_ALLOCATION_UNIT = 128
 RESERVED_SHARED_BYTES_PER_CTA = 1024
-assert CTAS_PER_SM * (shared_memory_bytes(4) + RESERVED_SHARED_BYTES_PER_CTA) <= SM_SHARED_MEMORY_BYTES
+
+
+def shared_memory_allocated(g_bytes: int) -> int:
+    """Shared memory an SM gives one CTA: its own, in allocation units, and the reserved 1 KB."""
+    units = -(-shared_memory_bytes(g_bytes) // SHARED_ALLOCATION_UNIT)
+    return units * SHARED_ALLOCATION_UNIT + RESERVED_SHARED_BYTES_PER_CTA
+
+
+assert all(ctas * shared_memory_allocated(g_bytes) <= SM_SHARED_MEMORY_BYTES for g_bytes, ctas in CTAS_PER_SM.items())
 
 
 def neg_kw_staging_layout():
@@ -281,14 +289,15 @@ def fill_item_table(s_items: cute.Tensor, window_item: Int32, num_ctas: Int32, i
     It replaces a per-CTA cursor that only moved forward with a galloping search from it, which
     ran at almost every item on batches of short prompts (a CTA's slot moves by num_ctas // HV an
     item): one thread's dependent loads on the item loop's path, against 128 searches in parallel
-    once every 128 items."""
-    item = window_item + tid * num_ctas
-    entry = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-    entry[0] = Int32(0)
-    entry[1] = Int32(0)
-    if item < items:
-        entry[0], entry[1] = slot_chunk(item // num_v_heads, cu_seqlens, num_seqs, dense_len, total_tokens, varlen)
-    cute.autovec_copy(entry, s_items[tid, None])
+    once every ITEM_TABLE items."""
+    if tid < ITEM_TABLE:
+        item = window_item + tid * num_ctas
+        entry = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+        entry[0] = Int32(0)
+        entry[1] = Int32(0)
+        if item < items:
+            entry[0], entry[1] = slot_chunk(item // num_v_heads, cu_seqlens, num_seqs, dense_len, total_tokens, varlen)
+        cute.autovec_copy(entry, s_items[tid, None])
 
 
 @cute.jit
@@ -486,7 +495,7 @@ def prepare_chunks_kernel(
     s_norm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)   # 512 B
     s_rnorm = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2 * CHUNK), stride=(2 * CHUNK, 1)), 16)  # 512 B
     s_fast = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)                                  # 16 B
-    s_items = smem.allocate_tensor(Int32, cute.make_layout((ITEM_TABLE, 2), stride=(2, 1)), 16)        # 1 024 B
+    s_items = smem.allocate_tensor(Int32, cute.make_layout((ITEM_TABLE, 2), stride=(2, 1)), 16)        # 256 B
 
     # cp.async.cg: 16-byte copies that skip L1 (each byte is read once).
     load_atom = cute.make_copy_atom(cpasync.CopyG2SOp(LoadCacheMode.GLOBAL), cutlass.BFloat16,
@@ -853,7 +862,13 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
         s_xchg = cute.make_tensor(stage_f32 + EXCHANGE_OFFSET // 4,
                                   cute.make_layout((WARPS, 32, 4), stride=(32 * 4, 4, 1)))
         cute.autovec_copy(accs[1], s_xchg[warp, lane, None])
-        cute.arch.barrier(barrier_id=PAIR_BARRIER + product, number_of_threads=2 * 32)
+        # One barrier per product, each named by a constant: a barrier id computed at run time
+        # makes ptxas reserve all 16 of the CTA's barriers, which caps residency at four CTAs an
+        # SM (an SM's barriers are shared by its CTAs).
+        if product == 0:
+            cute.arch.barrier(barrier_id=PAIR_BARRIER, number_of_threads=2 * 32)
+        else:
+            cute.arch.barrier(barrier_id=PAIR_BARRIER + 1, number_of_threads=2 * 32)
         partner = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         cute.autovec_copy(s_xchg[warp ^ 1, lane, None], partner)
         acc = accs[0]
