@@ -255,10 +255,10 @@ def check(dump_dir: pathlib.Path) -> bool:
     cubin = load_by_path("kda_cubin", "jax_kda/_cubin.py")
     gates = {e.name: e.gates for e in contract.KERNEL_EXPORTS}
 
-    def register_limits(export: str) -> dict[str, int]:
+    def occupancy(export: str) -> dict[str, tuple[int, int]]:  # family -> (CTAs an SM, threads a CTA)
         return {
-            "prepare_chunks": cubin.max_registers(contract.PREPARE_CTAS_PER_SM[gates[export].g], contract.PREPARE_THREADS),
-            "recurrence": cubin.max_registers(contract.RECURRENCE_CTAS_PER_SM, contract.RECURRENCE_THREADS),
+            "prepare_chunks": (contract.PREPARE_CTAS_PER_SM[gates[export].g], contract.PREPARE_THREADS),
+            "recurrence": (contract.RECURRENCE_CTAS_PER_SM, contract.RECURRENCE_THREADS),
         }
     sys.path.insert(0, str(KERNEL_SOURCE_DIR))
     from common import combine_segments, prepare_chunks
@@ -279,16 +279,23 @@ def check(dump_dir: pathlib.Path) -> bool:
         spills = ptxas_usage(str(ptx), arch) if ptx.is_file() and shutil.which("ptxas") else {}
         # The recurrence's chunk loop, what a recurrence change moves first (sm_90a: the H200's code).
         loops = cubin_chunk_loops(path, disassembler) if disassembler and arch == "sm_90a" else {}
-        limits = register_limits(path.parent.name)
+        targets = occupancy(path.parent.name)
+        limits = {family: cubin.max_registers(*target) for family, target in targets.items()}
+        barrier_limits = {family: cubin.max_barriers(ctas) for family, (ctas, _) in targets.items()}
+        barriers = cubin.barrier_counts(image)
         for kernel, registers in sorted(cubin.register_counts(image).items(), key=lambda kv: kernel_family(kv[0])):
             family = kernel_family(kernel)
             _, spill_st, spill_ld, serialized, waits = spills.get(kernel, (0, None, None, False, False))
             print(f"{path.parent.name:26s} {arch} {family:18s} registers {registers:3d} (limit {limits.get(family, 255)}), "
+                  f"barriers {barriers.get(kernel, 0)} (limit {barrier_limits.get(family, 16)}), "
                   f"spills {spill_st}/{spill_ld} B store/load" + (", wgmma serialized" if serialized else "")
                   + (", warpgroup.wait injected" if waits else "")
                   + (f"; {describe_loop(loops[kernel])}" if family == "recurrence" and kernel in loops else ""))
             if registers > limits.get(family, 255):
                 print(f"  {family}: more registers than its occupancy allows")
+                ok = False
+            if barriers.get(kernel, 0) > barrier_limits.get(family, 16):
+                print(f"  {family}: more named barriers than its occupancy allows (a barrier id computed at run time?)")
                 ok = False
             if arch == "sm_90a" and (spill_st or spill_ld):
                 print(f"  {family}: spills on sm_90a")

@@ -11,6 +11,10 @@ import struct
 EM_CUDA = 190
 _EIFMT_NVAL, _EIFMT_BVAL, _EIFMT_HVAL, _EIFMT_SVAL = 0x01, 0x02, 0x03, 0x04
 _EIATTR_REGCOUNT = 0x2F
+_EIATTR_NUM_BARRIERS = 0x4C  # in a kernel's own .nv.info.<kernel> section (the sm_100 ELF ABI)
+# Named barriers an SM has for its CTAs, as Nsight Compute's "Block Limit Barriers" shows on the
+# H200: 4 CTAs an SM for a kernel using all 16 of a CTA's barriers, 21 for one using 3.
+SM_NAMED_BARRIERS = 64
 _RENAMED_SMS = {101: 110}  # the ELF's SM number -> the compiler target's
 
 
@@ -105,6 +109,36 @@ def register_counts(cubin: bytes) -> dict[str, int]:
             if i != stop:
                 raise ValueError(".nv.info: attribute walk overran its section")
     return {kernel_by_symbol[s]: r for s, r in regs_by_symbol.items() if s in kernel_by_symbol}
+
+
+def barrier_counts(cubin: bytes) -> dict[str, int]:
+    """{kernel name: named barriers it reserves (ptxas's "used N barriers")}. The sm_90 ELF ABI keeps
+    the count in bits 20-26 of the `.text.<kernel>` section's flags, the sm_100 ABI as
+    EIATTR_NUM_BARRIERS in `.nv.info.<kernel>`. An id computed at run time (`bar.sync r, n`)
+    reserves all 16."""
+    counts = {}
+    for section, h in _section_names(cubin):
+        if section.startswith(".text."):
+            kernel = section[len(".text."):]
+            counts[kernel] = max(counts.get(kernel, 0), (h[2] >> 20) & 0x7F)
+        elif section.startswith(".nv.info."):
+            kernel = section[len(".nv.info."):]
+            i, stop = h[4], h[4] + h[5]
+            while i < stop:
+                fmt, attr = cubin[i], cubin[i + 1]
+                if fmt == _EIFMT_SVAL:
+                    (size,) = struct.unpack_from("<H", cubin, i + 2)
+                    i += 4 + size
+                else:  # format, attribute, 2 bytes of value
+                    if fmt == _EIFMT_BVAL and attr == _EIATTR_NUM_BARRIERS:
+                        counts[kernel] = max(counts.get(kernel, 0), cubin[i + 2])
+                    i += 4
+    return counts
+
+
+def max_barriers(ctas_per_sm: int) -> int:
+    """The most named barriers a kernel may reserve for `ctas_per_sm` of its CTAs to share an SM."""
+    return min(16, SM_NAMED_BARRIERS // ctas_per_sm)
 
 
 def max_registers(ctas_per_sm: int, threads_per_cta: int, registers_per_sm: int = 65536,

@@ -14,7 +14,8 @@ import pytest
 from jaxlib import xla_client
 
 from jax_kda import _native, contract
-from jax_kda._cubin import cubin_arch, embedded_cubins, max_registers, register_counts, text_digests
+from jax_kda._cubin import (barrier_counts, cubin_arch, embedded_cubins, max_barriers, max_registers, register_counts,
+                             text_digests)
 
 # A build without a CUDA toolkit is pure Python (backend="xla" only); CI builds with
 # JAX_KDA_BUILD_KERNELS=ON, so there a missing extension fails the install instead of skipping here.
@@ -110,12 +111,16 @@ def test_embedded_prefill_kernels_fit_their_occupancy():
     seen = set()
     for cubin in embedded_cubins(pathlib.Path(_native.load().__file__).read_bytes()):
         arch = cubin_arch(cubin)
+        barriers = barrier_counts(cubin)
         for kernel, registers in register_counts(cubin).items():
             if (found := occupancy(kernel)) is not None:
                 family, ctas, threads = found
                 seen.add((arch, family))
                 limit = max_registers(ctas, threads)
                 assert registers <= limit, f"{arch} {kernel}: {registers} registers > {limit}"
+                # Named barriers count too: a barrier id computed at run time reserves all 16 of a
+                # CTA's, and then no more than four CTAs share an SM.
+                assert 0 < barriers[kernel] <= max_barriers(ctas), f"{arch} {kernel}: {barriers[kernel]} barriers"
     # Every kernel family found on every architecture (so that a parse that finds nothing fails).
     families = ["recurrence"] + ["prepare_chunks " + g for g in contract.GATE_DTYPES]
     assert seen == {(arch, family) for arch in _native.compiled_archs() for family in families}

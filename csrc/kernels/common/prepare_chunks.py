@@ -288,8 +288,8 @@ def fill_item_table(s_items: cute.Tensor, window_item: Int32, num_ctas: Int32, i
 
     It replaces a per-CTA cursor that only moved forward with a galloping search from it, which
     ran at almost every item on batches of short prompts (a CTA's slot moves by num_ctas // HV an
-    item): one thread's dependent loads on the item loop's path, against 128 searches in parallel
-    once every ITEM_TABLE items."""
+    item): one thread's dependent loads on the item loop's path, against ITEM_TABLE searches in
+    parallel once every ITEM_TABLE items."""
     if tid < ITEM_TABLE:
         item = window_item + tid * num_ctas
         entry = cute.make_rmem_tensor(cute.make_layout(2), Int32)
@@ -862,9 +862,9 @@ def prepare_one(s_stage: cute.Tensor, s_g: cute.Tensor, s_fac: cute.Tensor, s_lo
         s_xchg = cute.make_tensor(stage_f32 + EXCHANGE_OFFSET // 4,
                                   cute.make_layout((WARPS, 32, 4), stride=(32 * 4, 4, 1)))
         cute.autovec_copy(accs[1], s_xchg[warp, lane, None])
-        # One barrier per product, each named by a constant: a barrier id computed at run time
-        # makes ptxas reserve all 16 of the CTA's barriers, which caps residency at four CTAs an
-        # SM (an SM's barriers are shared by its CTAs).
+        # One barrier per product, each named by a constant: for a barrier id computed at run time
+        # ptxas reserves all 16 of the CTA's barriers, and then no more than four CTAs share an SM
+        # (Nsight Compute's barrier limit; CTAS_PER_SM needs five).
         if product == 0:
             cute.arch.barrier(barrier_id=PAIR_BARRIER, number_of_threads=2 * 32)
         else:
