@@ -174,7 +174,7 @@ SM90A = Arch("sm_90a", ((9, 0),))
 # cubin would run on 10.0 only. sm_110f serves 11.0 (Thor). The Blackwell kernels use no tcgen05, only
 # mma.sync, TMA and mbarriers, so the family targets lose nothing. Not built: sm_120f (12.x, RTX
 # Blackwell): it compiles, but those SMs have 100 KB of shared memory and prepare compiles to 152
-# registers there, so neither prepare's 4 CTAs per SM nor the recurrence's 2 fit, which is what the
+# registers there, so neither prepare's 4-5 CTAs per SM nor the recurrence's 2 fit, which is what the
 # kernels are built around; the XLA path serves them.
 SM100F = Arch("sm_100f", ((10, 0), (10, 3)))
 SM110F = Arch("sm_110f", ((11, 0),))

@@ -92,8 +92,8 @@ def test_extension_sizes_the_workspace_like_the_contract(tokens, sequences, segm
 # with fp32 g, the recurrence two CTAs of 160 threads per SM. That allows 96 or 128 and 168
 # registers a thread (jax_kda._cubin.max_registers). A compiler update (e.g. of the pinned
 # nvidia-cutlass-dsl) or an edit that crossed them would silently cost a fifth to a half of the
-# speed; nothing else would notice. The margins are small on purpose: the sm90 recurrence uses
-# exactly 168.
+# speed; nothing else would notice. The margins are small on purpose: prepare with bf16 g uses
+# exactly its 96 (ptxas fits it under the launch bound).
 def occupancy(kernel: str) -> tuple[str, int, int] | None:
     """(family, CTAs per SM, threads per CTA) of a prefill kernel, from its symbol name; None for
     the others. prepare's name spells its tensor arguments q, k, g first, each as tensorptr<dtype>."""
