@@ -80,13 +80,29 @@ def log2_decay(g, gate_mode, a_log, dt_bias, lower_bound):
     return (ln_decay * np.float32(LOG2E)).astype(np.float32)
 
 
-def prepare_chunk(q, k, v, g2, beta, scale):
-    """One chunk of `prepare_chunks`: inputs are fp32 [n, K] / [n, V] / [n] with n <= CHUNK
+def fp16_round(x):
+    """Round float32 values to float16 (nearest even; overflow to inf) and return them as float32."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+# kr formats: "bf16" is the kernels' (one bf16 tile). "fp16_scaled" is a design studied for 32-token
+# chunks, not built (benchmarks/chunk_model_study.py): row t of kr stored in fp16 after a power-of-two
+# scale 2^-e_t (e_t from the row's largest magnitude, clamped to +-KR_EXPONENT_CLAMP), split exactly
+# into bf16 hi + lo for the MMAs; mqk's column t is stored times 2^-e_t and U's row t multiplied by
+# 2^e_t, so every product is the unscaled one (powers of two commute with bf16 rounding).
+KR_FORMATS = ("bf16", "fp16_scaled")
+KR_EXPONENT_CLAMP = 30
+
+
+def prepare_chunk(q, k, v, g2, beta, scale, *, chunk=CHUNK, kr_format="bf16"):
+    """One chunk of `prepare_chunks`: inputs are fp32 [n, K] / [n, V] / [n] with n <= chunk
     already normalized and gated (g2 = per-token log2 decay). Returns the recurrence operands
-    padded to CHUNK rows, rounded as the kernel stores them."""
+    padded to `chunk` rows, rounded as the kernel stores them (`chunk`, `kr_format`: the
+    kernels' by default; see KR_FORMATS)."""
     n = q.shape[0]
     kdim, vdim = k.shape[1], v.shape[1]
-    pad = CHUNK - n
+    pad = chunk - n
 
     def padrows(x):
         return np.concatenate([x, np.zeros((pad,) + x.shape[1:], np.float32)]) if pad else x
@@ -114,12 +130,12 @@ def prepare_chunk(q, k, v, g2, beta, scale):
         qd = scale * q * np.exp2(G)
         kr = k * np.exp2(g_last[None, :] - G)
         k_dec = k * np.exp2(G)
-    strict = np.tril(np.ones((CHUNK, CHUNK), bool), -1)
+    strict = np.tril(np.ones((chunk, chunk), bool), -1)
     lower = np.where(strict, beta[:, None] * a_kk, 0.0).astype(np.float32)
     # (I + L)^-1 by forward substitution, one row at a time, as the kernel does.
-    inv = np.zeros((CHUNK, CHUNK), np.float32)
-    for i in range(CHUNK):
-        row = np.zeros(CHUNK, np.float32)
+    inv = np.zeros((chunk, chunk), np.float32)
+    for i in range(chunk):
+        row = np.zeros(chunk, np.float32)
         row[i] = 1.0
         for j in range(i):
             row -= lower[i, j] * inv[j]
@@ -131,9 +147,22 @@ def prepare_chunk(q, k, v, g2, beta, scale):
     w_hi = bf16_round(w32)
     w_lo = bf16_round(w32 - w_hi)
     vw = (w_hi @ v).astype(np.float32) + (w_lo @ v).astype(np.float32)
-    mqk = np.where(np.tril(np.ones((CHUNK, CHUNK), bool)), scale * m_qk, 0.0)
+    mqk = np.where(np.tril(np.ones((chunk, chunk), bool)), scale * m_qk, 0.0).astype(np.float32)
+    if kr_format == "bf16":
+        kr_hi, kr_lo, u_scale = bf16_round(kr), None, None
+    elif kr_format == "fp16_scaled":
+        top = np.abs(kr).max(axis=1)
+        e = np.where(top > 0, np.ceil(np.log2(np.where(top > 0, top, 1.0))), 0.0)
+        e = np.clip(e, -KR_EXPONENT_CLAMP, KR_EXPONENT_CLAMP).astype(np.float32)
+        kr16 = fp16_round(kr * np.exp2(-e)[:, None])
+        kr_hi = bf16_round(kr16)
+        kr_lo = bf16_round(kr16 - kr_hi)
+        mqk = mqk * np.exp2(-e)[None, :]
+        u_scale = np.exp2(e)
+    else:
+        raise ValueError(f"kr_format {kr_format!r} not in {KR_FORMATS}")
     return dict(
-        neg_kw=bf16_round(neg_kw), qd=bf16_round(qd), kr=bf16_round(kr),
+        neg_kw=bf16_round(neg_kw), qd=bf16_round(qd), kr=kr_hi, kr_lo=kr_lo, u_scale=u_scale,
         mqk=bf16_round(mqk), vw=vw.astype(np.float32), decay=np.exp2(g_last).astype(np.float32),
         n=n,
     )
@@ -144,10 +173,14 @@ def recurrence_chunk(state, ops):
     U enters its two MMAs as two bf16 operands, hi = bf16(U) and lo = bf16(U - hi)."""
     s_bf = bf16_round(state)
     u = ops["vw"] + ops["neg_kw"] @ s_bf
+    if ops["u_scale"] is not None:
+        u = (u * ops["u_scale"][:, None]).astype(np.float32)
     u_hi = bf16_round(u)
     u_lo = bf16_round(u - u_hi)
     o = ops["qd"] @ s_bf + ops["mqk"] @ u_hi + ops["mqk"] @ u_lo
     state = ops["decay"][:, None] * state + ops["kr"].T @ u_hi + ops["kr"].T @ u_lo
+    if ops["kr_lo"] is not None:
+        state = state + ops["kr_lo"].T @ u_hi
     return bf16_round(o[: ops["n"]]), state.astype(np.float32)
 
 
@@ -158,9 +191,10 @@ def normalize(x):
 
 def chunked_prefill(q, k, v, g, beta, *, scale, initial_state=None, gate_mode=GATE_PREACTIVATED,
                     a_log=None, dt_bias=None, lower_bound=-5.0, use_qk_l2norm=False,
-                    use_beta_sigmoid=False):
+                    use_beta_sigmoid=False, chunk=CHUNK, kr_format="bf16"):
     """Model of the kernels for one sequence. q, k [T, H, K]; v, g [T, HV, *]; beta [T, HV];
-    initial_state [HV, K, V]. Returns o [T, HV, V] and the final state [HV, K, V] (fp32)."""
+    initial_state [HV, K, V]. Returns o [T, HV, V] and the final state [HV, K, V] (fp32).
+    `chunk` and `kr_format` default to the kernels'; other values model designs not built."""
     t_len, h_q, kdim = q.shape
     hv_count, vdim = v.shape[1], v.shape[2]
     group = hv_count // h_q
@@ -179,10 +213,10 @@ def chunked_prefill(q, k, v, g, beta, *, scale, initial_state=None, gate_mode=GA
                         np.float32(lower_bound))
         state = (np.zeros((kdim, vdim), np.float32) if initial_state is None
                  else initial_state[hv].astype(np.float32))
-        for c0 in range(0, t_len, CHUNK):
-            c1 = min(c0 + CHUNK, t_len)
+        for c0 in range(0, t_len, chunk):
+            c1 = min(c0 + chunk, t_len)
             ops = prepare_chunk(qh[c0:c1], kh[c0:c1], v[c0:c1, hv].astype(np.float32),
-                                g2[c0:c1], bh[c0:c1], np.float32(scale))
+                                g2[c0:c1], bh[c0:c1], np.float32(scale), chunk=chunk, kr_format=kr_format)
             o[c0:c1, hv], state = recurrence_chunk(state, ops)
         final[hv] = state
     return o, final

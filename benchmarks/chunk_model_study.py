@@ -1,0 +1,81 @@
+"""Accuracy of chunk-size and kr-storage designs on the kernels' numpy model, against float64 (CPU only).
+
+    python benchmarks/chunk_model_study.py [--seeds 3]
+
+The recurrence's serial steps are one per chunk; 32-token chunks would halve them. This prints, for
+the kernels' design (16-token chunks, kr in bf16) and the studied ones (32-token chunks, kr in bf16 or
+in fp16 with a per-token power-of-two scale: tests/kda_chunk_model.py KR_FORMATS), the worst o and
+final-state err_ratio over seeds of each case of tests/test_kernel_algorithm.py that runs long enough
+to hold two or more 32-token chunks (with and without the in-kernel l2 norm, raw keys scaled by
+1/sqrt(K) as the test does), then the same for keys far below fp16's normal range (x 1e-4, x 1e-6,
+no l2 norm, no initial state), where an unscaled fp16 kr would lose them in its subnormals. The GPU accuracy bar is o <= 3.6e-3,
+state <= 2.2e-3 on the long-memory cases. Nothing here runs a kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+import kda_chunk_model as model  # noqa: E402
+import test_kernel_algorithm as tka  # noqa: E402
+
+DESIGNS = ((16, "bf16"), (32, "bf16"), (32, "fp16_scaled"))
+
+
+def errors(case_args, seed, l2, chunk, kr_format, key_scale=None, gold_cache=None):
+    name, t_len, h_q, hv, gate, extra = case_args
+    if key_scale is not None:  # no initial state: the keys' writes are all the state holds
+        extra = dict(extra, with_state=False)
+    case = tka.make_case(np.random.default_rng(seed), t_len, h_q, hv, gate, **extra)
+    if not l2:
+        case["q"], case["k"] = tka.bf16(case["q"] / np.sqrt(tka.K)), tka.bf16(case["k"] / np.sqrt(tka.K))
+    if key_scale is not None:
+        case["k"] = tka.bf16(case["k"] * key_scale)
+    flags = dict(scale=tka.K ** -0.5, gate_mode=gate, a_log=case["a_log"], dt_bias=case["dt_bias"],
+                 lower_bound=-5.0, use_qk_l2norm=l2, use_beta_sigmoid=True)
+    args = (case["q"], case["k"], case["v"], case["g"], case["beta"])
+    key = (name, seed, l2, key_scale)
+    if key not in gold_cache:
+        gold_cache[key] = tka.token_recurrence_f64(*args, initial_state=case["initial_state"], **flags)
+    o_gold, s_gold = gold_cache[key]
+    o, s = model.chunked_prefill(*args, initial_state=case["initial_state"], chunk=chunk, kr_format=kr_format,
+                                 **flags)
+    return tka.err_ratio(o, o_gold), tka.err_ratio(s, s_gold)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    seeds = range(1, parser.parse_args().seeds + 1)
+    gold = {}
+    print("case | l2 norm | " + " | ".join(f"C={c} kr {f}: o / state" for c, f in DESIGNS))
+    for case in (c for c in tka.CASES if c[1] >= 64):
+        for l2 in (True, False):
+            cells = []
+            for chunk, kr_format in DESIGNS:
+                worst = np.max([errors(case, s, l2, chunk, kr_format, gold_cache=gold) for s in seeds], axis=0)
+                cells.append(f"{worst[0]:.2e} / {worst[1]:.2e}")
+            print(f"{case[0]} | {l2} | " + " | ".join(cells))
+    long_memory = next(c for c in tka.CASES if c[0] == "preact_long_memory")
+    for key_scale in (1e-4, 1e-6):
+        cells = []
+        for chunk, kr_format in DESIGNS + ((32, "fp16_unscaled"),):
+            if kr_format == "fp16_unscaled":  # the scale's exponent clamped to 0: fp16 as is
+                saved, model.KR_EXPONENT_CLAMP = model.KR_EXPONENT_CLAMP, 0
+                kr_format = "fp16_scaled"
+            worst = np.max([errors(long_memory, s, False, chunk, kr_format, key_scale, gold) for s in seeds], axis=0)
+            if chunk == 32 and model.KR_EXPONENT_CLAMP == 0:
+                model.KR_EXPONENT_CLAMP = saved
+                kr_format = "fp16 unscaled"
+            cells.append(f"C={chunk} kr {kr_format}: {worst[0]:.2e} / {worst[1]:.2e}")
+        print(f"preact_long_memory, keys x {key_scale:g}, no l2 norm, no initial state | " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    with np.errstate(over="ignore", invalid="ignore"):
+        main()
