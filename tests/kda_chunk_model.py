@@ -90,8 +90,9 @@ def fp16_round(x):
 # chunks, not built (benchmarks/chunk_model_study.py): row t of kr stored in fp16 after a power-of-two
 # scale 2^-e_t (e_t from the row's largest magnitude, clamped to +-KR_EXPONENT_CLAMP), split exactly
 # into bf16 hi + lo for the MMAs; mqk's column t is stored times 2^-e_t and U's row t multiplied by
-# 2^e_t, so every product is the unscaled one (powers of two commute with bf16 rounding).
-KR_FORMATS = ("bf16", "fp16_scaled")
+# 2^e_t, so every product is the unscaled one (powers of two commute with bf16 rounding). "fp16" is
+# the same without the scale (e_t = 0), for comparison.
+KR_FORMATS = ("bf16", "fp16", "fp16_scaled")
 KR_EXPONENT_CLAMP = 30
 
 
@@ -150,10 +151,11 @@ def prepare_chunk(q, k, v, g2, beta, scale, *, chunk=CHUNK, kr_format="bf16"):
     mqk = np.where(np.tril(np.ones((chunk, chunk), bool)), scale * m_qk, 0.0).astype(np.float32)
     if kr_format == "bf16":
         kr_hi, kr_lo, u_scale = bf16_round(kr), None, None
-    elif kr_format == "fp16_scaled":
+    elif kr_format in ("fp16", "fp16_scaled"):
         top = np.abs(kr).max(axis=1)
         e = np.where(top > 0, np.ceil(np.log2(np.where(top > 0, top, 1.0))), 0.0)
-        e = np.clip(e, -KR_EXPONENT_CLAMP, KR_EXPONENT_CLAMP).astype(np.float32)
+        clamp = KR_EXPONENT_CLAMP if kr_format == "fp16_scaled" else 0
+        e = np.clip(e, -clamp, clamp).astype(np.float32)
         kr16 = fp16_round(kr * np.exp2(-e)[:, None])
         kr_hi = bf16_round(kr16)
         kr_lo = bf16_round(kr16 - kr_hi)

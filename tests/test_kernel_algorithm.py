@@ -13,6 +13,10 @@ import kda_chunk_model as model
 K = V = 128
 O_BAR = 5e-3
 STATE_BAR = 5e-3
+# The kernels' accuracy on the H200 on the long-memory case (benchmarks/BENCHMARK_H200.md's runs):
+# what a change of the algorithm's chunk or roundings must keep.
+LONG_MEMORY_O_BAR = 3.6e-3
+LONG_MEMORY_STATE_BAR = 2.2e-3
 
 
 def err_ratio(x, gold):
@@ -126,25 +130,30 @@ def test_chunked_model_matches_token_recurrence(name, t_len, h_q, hv_count, gate
 
 
 @pytest.mark.parametrize("key_scale", [None, 1e-6], ids=["keys", "tiny_keys"])
-def test_fp16_scaled_kr_keeps_the_gpu_bar_at_32_token_chunks(key_scale):
+def test_fp16_scaled_kr_at_32_token_chunks_keeps_the_bar_and_beats_bf16_kr(key_scale):
     """A studied design, not built (benchmarks/chunk_model_study.py): 32-token chunks with kr in fp16
-    under a per-token power-of-two scale meet the GPU bar (o <= 3.6e-3, state <= 2.2e-3) on the
-    long-memory case, and keep keys far below fp16's normal range (no initial state, so the keys'
-    writes are all the state holds)."""
-    rng = np.random.default_rng()
-    case = make_case(rng, 256, 1, 1, model.GATE_PREACTIVATED, long_memory=True, with_state=key_scale is None)
+    under a per-token power-of-two scale meet the kernels' long-memory accuracy, with a final state
+    more accurate than bf16 kr's at 32 tokens on the same inputs, also for keys far below fp16's
+    normal range (no initial state, so that the keys' writes are all the state holds)."""
+    case = make_case(np.random.default_rng(), 256, 1, 1, model.GATE_PREACTIVATED, long_memory=True,
+                     with_state=key_scale is None)
     l2 = key_scale is None
     if key_scale is not None:
         case["q"], case["k"] = bf16(case["q"] / np.sqrt(K)), bf16(case["k"] / np.sqrt(K) * key_scale)
     flags = dict(scale=K ** -0.5, gate_mode=model.GATE_PREACTIVATED, a_log=case["a_log"],
                  dt_bias=case["dt_bias"], lower_bound=-5.0, use_qk_l2norm=l2, use_beta_sigmoid=True)
     args = (case["q"], case["k"], case["v"], case["g"], case["beta"])
-    o, final = model.chunked_prefill(*args, initial_state=case["initial_state"], chunk=32,
-                                     kr_format="fp16_scaled", **flags)
     o_gold, final_gold = token_recurrence_f64(*args, initial_state=case["initial_state"], **flags)
-    e_o, e_s = err_ratio(o, o_gold), err_ratio(final, final_gold)
-    print(f"fp16_scaled kr, 32-token chunks, keys x {key_scale}: err_ratio o={e_o:.2e} state={e_s:.2e}")
-    assert e_o <= 3.6e-3 and e_s <= 2.2e-3, (e_o, e_s)
+    errors = {}
+    for kr_format in ("fp16_scaled", "bf16"):
+        o, final = model.chunked_prefill(*args, initial_state=case["initial_state"], chunk=32,
+                                         kr_format=kr_format, **flags)
+        errors[kr_format] = err_ratio(o, o_gold), err_ratio(final, final_gold)
+        print(f"32-token chunks, kr {kr_format}, keys x {key_scale}: err_ratio o={errors[kr_format][0]:.2e} "
+              f"state={errors[kr_format][1]:.2e}")
+    e_o, e_s = errors["fp16_scaled"]
+    assert e_o <= LONG_MEMORY_O_BAR and e_s <= LONG_MEMORY_STATE_BAR, (e_o, e_s)
+    assert e_s < 0.75 * errors["bf16"][1], errors
 
 
 def test_slow_path_is_taken_for_strong_decay_and_fast_path_for_lower_bound_gate():
