@@ -8,7 +8,10 @@ in fp16 with a per-token power-of-two scale: tests/kda_chunk_model.py KR_FORMATS
 final-state err_ratio over seeds of each case of tests/test_kernel_algorithm.py that runs long enough
 to hold two or more 32-token chunks (with and without the in-kernel l2 norm, raw keys scaled by
 1/sqrt(K) as the test does), then the same for keys far below fp16's normal range (x 1e-4, x 1e-6,
-no l2 norm, no initial state), where an unscaled fp16 kr ("fp16") would lose them in its subnormals.
+no l2 norm, no initial state), where an unscaled fp16 kr ("fp16") would lose them in its subnormals,
+and last a lower-bound gate saturated at -5 a token on half of the channels, with the share of chunks
+whose pair products stay on the fast path (whole-chunk products at 32 tokens leave it; products by
+16-token halves, PAIR_PRODUCTS "halves", do not).
 The kernels' accuracy on the long-memory cases, which a new design must keep, is
 tests/test_kernel_algorithm.py LONG_MEMORY_O_BAR / LONG_MEMORY_STATE_BAR. Nothing here runs a kernel.
 """
@@ -25,10 +28,18 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests")
 import kda_chunk_model as model  # noqa: E402
 import test_kernel_algorithm as tka  # noqa: E402
 
-DESIGNS = ((16, "bf16"), (32, "bf16"), (32, "fp16_scaled"))
+# (tokens a chunk, kr storage, pair products: over the whole chunk, or by 16-token halves plus the
+# cross block; tests/kda_chunk_model.py KR_FORMATS, PAIR_PRODUCTS). The first is the kernels'.
+DESIGNS = ((16, "bf16", "chunk"), (32, "bf16", "chunk"), (32, "fp16_scaled", "chunk"),
+           (32, "fp16_scaled", "halves"))
 
 
-def errors(case_args, seed, l2, chunk, kr_format, key_scale=None, gold_cache=None):
+def label(design):
+    chunk, kr_format, pairs = design
+    return f"C={chunk} kr {kr_format}" + (" by halves" if pairs == "halves" else "")
+
+
+def errors(case_args, seed, l2, design, key_scale=None, gold_cache=None):
     name, t_len, h_q, hv, gate, extra = case_args
     if key_scale is not None:  # no initial state: the keys' writes are all the state holds
         extra = dict(extra, with_state=False)
@@ -44,8 +55,9 @@ def errors(case_args, seed, l2, chunk, kr_format, key_scale=None, gold_cache=Non
     if key not in gold_cache:
         gold_cache[key] = tka.token_recurrence_f64(*args, initial_state=case["initial_state"], **flags)
     o_gold, s_gold = gold_cache[key]
+    chunk, kr_format, pairs = design
     o, s = model.chunked_prefill(*args, initial_state=case["initial_state"], chunk=chunk, kr_format=kr_format,
-                                 **flags)
+                                 pair_products=pairs, **flags)
     return tka.err_ratio(o, o_gold), tka.err_ratio(s, s_gold)
 
 
@@ -54,21 +66,61 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     seeds = range(1, parser.parse_args().seeds + 1)
     gold = {}
-    print("case | l2 norm | " + " | ".join(f"C={c} kr {f}: o / state" for c, f in DESIGNS))
+    print("case | l2 norm | " + " | ".join(f"{label(d)}: o / state" for d in DESIGNS))
     for case in (c for c in tka.CASES if c[1] >= 64):
         for l2 in (True, False):
             cells = []
-            for chunk, kr_format in DESIGNS:
-                worst = np.max([errors(case, s, l2, chunk, kr_format, gold_cache=gold) for s in seeds], axis=0)
+            for design in DESIGNS:
+                worst = np.max([errors(case, s, l2, design, gold_cache=gold) for s in seeds], axis=0)
                 cells.append(f"{worst[0]:.2e} / {worst[1]:.2e}")
             print(f"{case[0]} | {l2} | " + " | ".join(cells))
     long_memory = next(c for c in tka.CASES if c[0] == "preact_long_memory")
     for key_scale in (1e-4, 1e-6):
         cells = []
-        for chunk, kr_format in DESIGNS + ((32, "fp16"),):
-            worst = np.max([errors(long_memory, s, False, chunk, kr_format, key_scale, gold) for s in seeds], axis=0)
-            cells.append(f"C={chunk} kr {kr_format}: {worst[0]:.2e} / {worst[1]:.2e}")
+        for design in DESIGNS + ((32, "fp16", "chunk"),):
+            worst = np.max([errors(long_memory, s, False, design, key_scale, gold) for s in seeds], axis=0)
+            cells.append(f"{label(design)}: {worst[0]:.2e} / {worst[1]:.2e}")
         print(f"preact_long_memory, keys x {key_scale:g}, no l2 norm, no initial state | " + " | ".join(cells))
+    # A lower-bound gate saturated at -5 a token on half of the channels: 32 tokens of it are
+    # -231 (log2), past the fast path's -200, so whole-chunk pair products go element-wise.
+    for design in DESIGNS:
+        worst, fast = [0.0, 0.0], []
+        for s in seeds:
+            args, flags, init = saturated_lower_bound_case(np.random.default_rng(s))
+            o_gold, s_gold = tka.token_recurrence_f64(*args, initial_state=init, **flags)
+            o, st = model.chunked_prefill(*args, initial_state=init, chunk=design[0], kr_format=design[1],
+                                          pair_products=design[2], **flags)
+            worst = np.maximum(worst, (tka.err_ratio(o, o_gold), tka.err_ratio(st, s_gold)))
+            fast += fast_path_shares(args, flags, design)
+        print(f"lower bound saturated (-5 a token) on half the channels | {label(design)}: "
+              f"{worst[0]:.2e} / {worst[1]:.2e}, pair products on the fast path in {np.mean(fast):.0%} of the chunks")
+
+
+def saturated_lower_bound_case(rng, t_len=256):
+    """q, k, v, g, beta (one head), flags and an initial state, with g saturating the lower-bound
+    gate (-5 a token, ln) on the first half of the channels and random on the rest."""
+    case = tka.make_case(rng, t_len, 1, 1, model.GATE_LOWER_BOUND)
+    g = case["g"].copy()
+    g[:, :, : tka.K // 2] = 30.0
+    case["g"] = tka.bf16(g)
+    flags = dict(scale=tka.K ** -0.5, gate_mode=model.GATE_LOWER_BOUND, a_log=case["a_log"],
+                 dt_bias=case["dt_bias"], lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
+    return (case["q"], case["k"], case["v"], case["g"], case["beta"]), flags, case["initial_state"]
+
+
+def fast_path_shares(args, flags, design):
+    """Per full chunk of the case: did its pair products take the fast path (both halves', by halves)?"""
+    q, k, v, g, beta = args
+    chunk = design[0]
+    g2 = model.log2_decay(g[:, 0], flags["gate_mode"], 0.0, flags["dt_bias"][0], np.float32(flags["lower_bound"]))
+    qn, kn = model.normalize(q[:, 0]), model.normalize(k[:, 0])
+    out = []
+    for c0 in range(0, q.shape[0] - chunk + 1, chunk):
+        ops = model.prepare_chunk(qn[c0:c0 + chunk], kn[c0:c0 + chunk], v[c0:c0 + chunk, 0].astype(np.float32),
+                                  g2[c0:c0 + chunk], beta[c0:c0 + chunk, 0].astype(np.float32), np.float32(flags["scale"]),
+                                  chunk=chunk, kr_format=design[1], pair_products=design[2])
+        out.append(ops["fast"])
+    return out
 
 
 if __name__ == "__main__":

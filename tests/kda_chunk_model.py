@@ -96,20 +96,14 @@ KR_FORMATS = ("bf16", "fp16", "fp16_scaled")
 KR_EXPONENT_CLAMP = 30
 
 
-def prepare_chunk(q, k, v, g2, beta, scale, *, chunk=CHUNK, kr_format="bf16"):
-    """One chunk of `prepare_chunks`: inputs are fp32 [n, K] / [n, V] / [n] with n <= chunk
-    already normalized and gated (g2 = per-token log2 decay). Returns the recurrence operands
-    padded to `chunk` rows, rounded as the kernel stores them (`chunk`, `kr_format`: the
-    kernels' by default; see KR_FORMATS)."""
-    n = q.shape[0]
-    kdim, vdim = k.shape[1], v.shape[1]
-    pad = chunk - n
+PAIR_PRODUCTS = ("chunk", "halves")
 
-    def padrows(x):
-        return np.concatenate([x, np.zeros((pad,) + x.shape[1:], np.float32)]) if pad else x
 
-    q, k, v, g2, beta = padrows(q), padrows(k), padrows(v), padrows(g2), padrows(beta)
-    G = np.cumsum(g2, axis=0, dtype=np.float32)
+def _pair_products(q, k, G, scale):
+    """The chunk's pair products, k_i k_j 2^(G_i - G_j) and scale q_i k_j 2^(G_i - G_j) summed over the
+    channels (fp32; entries with i < j are garbage, the caller masks them), with the element-wise
+    factors qd = scale q 2^G, kr = k 2^(G_last - G), k_dec = k 2^G; on the fast path when the whole
+    chunk votes for it, else element-wise. Returns (a_kk, m_qk, qd, kr, k_dec, fast)."""
     g_last = G[-1]
     if g_last.min() >= -FAST_PATH_RANGE:
         ref = g_last * np.float32(0.5)
@@ -124,13 +118,68 @@ def prepare_chunk(q, k, v, g2, beta, scale, *, chunk=CHUNK, kr_format="bf16"):
         qd = query * (np.float32(scale) * ref_scale)
         kr = right * ref_scale
         k_dec = left * ref_scale
+        return a_kk, m_qk, qd, kr, k_dec, True
+    decay_ij = np.exp2(np.minimum(G[:, None, :] - G[None, :, :], 0.0))
+    a_kk = np.einsum("id,jd,ijd->ij", k, k, decay_ij, dtype=np.float32)
+    m_qk = np.einsum("id,jd,ijd->ij", q, k, decay_ij, dtype=np.float32)
+    qd = scale * q * np.exp2(G)
+    kr = k * np.exp2(g_last[None, :] - G)
+    k_dec = k * np.exp2(G)
+    return a_kk, m_qk, qd, kr, k_dec, False
+
+
+def _pair_products_by_halves(q, k, G, scale):
+    """`_pair_products` of a chunk as its two halves' own (each half on its own fast or slow path,
+    its cumsum restarted at the half) plus the cross block (rows in the second half, columns in the
+    first) from factors that never leave [0, |k|]: with G_mid the cumsum at the first half's end,
+    k_i 2^(G_i - G_mid) (i in the second half) and k_j 2^(G_mid - G_j) (j in the first), both
+    exponents <= 0, on TF32 MMAs (truncated, as the fast path's factors). So no vote over the whole
+    chunk is needed, and no exponent of the chunk's full decay is ever formed. The element-wise
+    factors are taken from the whole chunk's cumsum with exponents <= 0. Returns as
+    `_pair_products`, fast = both halves on their fast path."""
+    h = G.shape[0] // 2
+    g_mid = G[h - 1]
+    a_kk = np.zeros((2 * h, 2 * h), np.float32)
+    m_qk = np.zeros((2 * h, 2 * h), np.float32)
+    fast = True
+    for lo, hi, base in ((0, h, np.zeros_like(g_mid)), (h, 2 * h, g_mid)):
+        a, m, _, _, _, half_fast = _pair_products(q[lo:hi], k[lo:hi], (G[lo:hi] - base).astype(np.float32), scale)
+        a_kk[lo:hi, lo:hi], m_qk[lo:hi, lo:hi] = a, m
+        fast = fast and half_fast
+    second = np.exp2(G[h:] - g_mid)                   # exponents <= 0
+    first = np.exp2(g_mid - G[:h])                    # exponents <= 0
+    right = tf32_truncate(k[:h] * first)
+    a_kk[h:, :h] = tf32_truncate(k[h:] * second) @ right.T
+    m_qk[h:, :h] = tf32_truncate(q[h:] * second) @ right.T
+    qd = scale * q * np.exp2(G)
+    kr = k * np.exp2(G[-1][None, :] - G)
+    k_dec = k * np.exp2(G)
+    return a_kk, m_qk, qd.astype(np.float32), kr.astype(np.float32), k_dec.astype(np.float32), fast
+
+
+def prepare_chunk(q, k, v, g2, beta, scale, *, chunk=CHUNK, kr_format="bf16", pair_products="chunk"):
+    """One chunk of `prepare_chunks`: inputs are fp32 [n, K] / [n, V] / [n] with n <= chunk
+    already normalized and gated (g2 = per-token log2 decay). Returns the recurrence operands
+    padded to `chunk` rows, rounded as the kernel stores them (`chunk`, `kr_format`,
+    `pair_products`: the kernels' by default; see KR_FORMATS and PAIR_PRODUCTS: "halves" is
+    `_pair_products_by_halves`, a design for 32-token chunks), and `fast`, whether the pair
+    products took the fast path."""
+    n = q.shape[0]
+    kdim, vdim = k.shape[1], v.shape[1]
+    pad = chunk - n
+
+    def padrows(x):
+        return np.concatenate([x, np.zeros((pad,) + x.shape[1:], np.float32)]) if pad else x
+
+    q, k, v, g2, beta = padrows(q), padrows(k), padrows(v), padrows(g2), padrows(beta)
+    G = np.cumsum(g2, axis=0, dtype=np.float32)
+    g_last = G[-1]
+    if pair_products == "chunk":
+        a_kk, m_qk, qd, kr, k_dec, fast = _pair_products(q, k, G, scale)
+    elif pair_products == "halves":
+        a_kk, m_qk, qd, kr, k_dec, fast = _pair_products_by_halves(q, k, G, scale)
     else:
-        decay_ij = np.exp2(np.minimum(G[:, None, :] - G[None, :, :], 0.0))
-        a_kk = np.einsum("id,jd,ijd->ij", k, k, decay_ij, dtype=np.float32)
-        m_qk = np.einsum("id,jd,ijd->ij", q, k, decay_ij, dtype=np.float32)
-        qd = scale * q * np.exp2(G)
-        kr = k * np.exp2(g_last[None, :] - G)
-        k_dec = k * np.exp2(G)
+        raise ValueError(f"pair_products {pair_products!r} not in {PAIR_PRODUCTS}")
     strict = np.tril(np.ones((chunk, chunk), bool), -1)
     lower = np.where(strict, beta[:, None] * a_kk, 0.0).astype(np.float32)
     # (I + L)^-1 by forward substitution, one row at a time, as the kernel does.
@@ -166,7 +215,7 @@ def prepare_chunk(q, k, v, g2, beta, scale, *, chunk=CHUNK, kr_format="bf16"):
     return dict(
         neg_kw=bf16_round(neg_kw), qd=bf16_round(qd), kr=kr_hi, kr_lo=kr_lo, u_scale=u_scale,
         mqk=bf16_round(mqk), vw=vw.astype(np.float32), decay=np.exp2(g_last).astype(np.float32),
-        n=n,
+        n=n, fast=fast,
     )
 
 
@@ -193,10 +242,11 @@ def normalize(x):
 
 def chunked_prefill(q, k, v, g, beta, *, scale, initial_state=None, gate_mode=GATE_PREACTIVATED,
                     a_log=None, dt_bias=None, lower_bound=-5.0, use_qk_l2norm=False,
-                    use_beta_sigmoid=False, chunk=CHUNK, kr_format="bf16"):
+                    use_beta_sigmoid=False, chunk=CHUNK, kr_format="bf16", pair_products="chunk"):
     """Model of the kernels for one sequence. q, k [T, H, K]; v, g [T, HV, *]; beta [T, HV];
     initial_state [HV, K, V]. Returns o [T, HV, V] and the final state [HV, K, V] (fp32).
-    `chunk` and `kr_format` default to the kernels'; other values model designs not built."""
+    `chunk`, `kr_format` and `pair_products` default to the kernels'; other values model designs
+    not built."""
     t_len, h_q, kdim = q.shape
     hv_count, vdim = v.shape[1], v.shape[2]
     group = hv_count // h_q
@@ -218,7 +268,8 @@ def chunked_prefill(q, k, v, g, beta, *, scale, initial_state=None, gate_mode=GA
         for c0 in range(0, t_len, chunk):
             c1 = min(c0 + chunk, t_len)
             ops = prepare_chunk(qh[c0:c1], kh[c0:c1], v[c0:c1, hv].astype(np.float32),
-                                g2[c0:c1], bh[c0:c1], np.float32(scale), chunk=chunk, kr_format=kr_format)
+                                g2[c0:c1], bh[c0:c1], np.float32(scale), chunk=chunk, kr_format=kr_format,
+                                pair_products=pair_products)
             o[c0:c1, hv], state = recurrence_chunk(state, ops)
         final[hv] = state
     return o, final

@@ -129,12 +129,14 @@ def test_chunked_model_matches_token_recurrence(name, t_len, h_q, hv_count, gate
     assert e_s <= STATE_BAR, f"state err_ratio {e_s:.2e}"
 
 
+@pytest.mark.parametrize("pair_products", model.PAIR_PRODUCTS)
 @pytest.mark.parametrize("key_scale", [None, 1e-6], ids=["keys", "tiny_keys"])
-def test_fp16_scaled_kr_at_32_token_chunks_keeps_the_bar_and_beats_bf16_kr(key_scale):
+def test_fp16_scaled_kr_at_32_token_chunks_keeps_the_bar_and_beats_bf16_kr(key_scale, pair_products):
     """A studied design, not built (benchmarks/chunk_model_study.py): 32-token chunks with kr in fp16
     under a per-token power-of-two scale meet the kernels' long-memory accuracy, with a final state
     more accurate than bf16 kr's at 32 tokens on the same inputs, also for keys far below fp16's
-    normal range (no initial state, so that the keys' writes are all the state holds)."""
+    normal range (no initial state, so that the keys' writes are all the state holds); with the
+    pair products over the whole chunk or by 16-token halves."""
     case = make_case(np.random.default_rng(), 256, 1, 1, model.GATE_PREACTIVATED, long_memory=True,
                      with_state=key_scale is None)
     l2 = key_scale is None
@@ -147,13 +149,51 @@ def test_fp16_scaled_kr_at_32_token_chunks_keeps_the_bar_and_beats_bf16_kr(key_s
     errors = {}
     for kr_format in ("fp16_scaled", "bf16"):
         o, final = model.chunked_prefill(*args, initial_state=case["initial_state"], chunk=32,
-                                         kr_format=kr_format, **flags)
+                                         kr_format=kr_format,
+                                         pair_products=pair_products if kr_format == "fp16_scaled" else "chunk",
+                                         **flags)
         errors[kr_format] = err_ratio(o, o_gold), err_ratio(final, final_gold)
         print(f"32-token chunks, kr {kr_format}, keys x {key_scale}: err_ratio o={errors[kr_format][0]:.2e} "
               f"state={errors[kr_format][1]:.2e}")
     e_o, e_s = errors["fp16_scaled"]
     assert e_o <= LONG_MEMORY_O_BAR and e_s <= LONG_MEMORY_STATE_BAR, (e_o, e_s)
     assert e_s < 0.75 * errors["bf16"][1], errors
+
+
+def _fast_path_per_chunk(q, k, v, g2, beta, scale, **design):
+    """Whether each full chunk's pair products took the fast path (one head; q, k normalized)."""
+    chunk = design["chunk"]
+    return [model.prepare_chunk(q[c0:c0 + chunk], k[c0:c0 + chunk], v[c0:c0 + chunk], g2[c0:c0 + chunk],
+                                beta[c0:c0 + chunk], np.float32(scale), **design)["fast"]
+            for c0 in range(0, q.shape[0] - chunk + 1, chunk)]
+
+
+def test_32_token_pair_products_by_halves_keep_a_saturated_lower_bound_gate_on_the_fast_path():
+    """A lower-bound gate saturated at -5 a token (ln) decays 32 tokens by 2^-231, past the fast
+    path's 2^-200: whole-chunk pair products at 32 tokens go element-wise for every chunk. By
+    16-token halves plus a cross block of bounded factors (the design benchmarks/chunk_model_study.py
+    studies) they stay on the tensor-core path, and the result meets the bar."""
+    rng = np.random.default_rng()
+    case = make_case(rng, 256, 1, 1, model.GATE_LOWER_BOUND)
+    g = case["g"].copy()
+    g[:, :, : K // 2] = 30.0  # sigmoid(30) = 1 in fp32: those channels decay -5 a token
+    case["g"] = bf16(g)
+    flags = dict(scale=K ** -0.5, gate_mode=model.GATE_LOWER_BOUND, a_log=case["a_log"],
+                 dt_bias=case["dt_bias"], lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
+    args = (case["q"], case["k"], case["v"], case["g"], case["beta"])
+    g2 = model.log2_decay(case["g"][:, 0], model.GATE_LOWER_BOUND, 0.0, case["dt_bias"][0], np.float32(-5.0))
+    assert g2[:, 0].max() == np.float32(-5.0 * model.LOG2E)
+    per_chunk = (model.normalize(case["q"][:, 0]), model.normalize(case["k"][:, 0]),
+                 case["v"][:, 0].astype(np.float32), g2, model._sigmoid(case["beta"][:, 0].astype(np.float32)),
+                 flags["scale"])
+    assert not any(_fast_path_per_chunk(*per_chunk, chunk=32, kr_format="fp16_scaled", pair_products="chunk"))
+    assert all(_fast_path_per_chunk(*per_chunk, chunk=32, kr_format="fp16_scaled", pair_products="halves"))
+    o_gold, final_gold = token_recurrence_f64(*args, initial_state=case["initial_state"], **flags)
+    o, final = model.chunked_prefill(*args, initial_state=case["initial_state"], chunk=32,
+                                     kr_format="fp16_scaled", pair_products="halves", **flags)
+    e_o, e_s = err_ratio(o, o_gold), err_ratio(final, final_gold)
+    print(f"saturated lower bound, 32-token chunks by halves: err_ratio o={e_o:.2e} state={e_s:.2e}")
+    assert e_o <= O_BAR and e_s <= STATE_BAR, (e_o, e_s)
 
 
 def test_slow_path_is_taken_for_strong_decay_and_fast_path_for_lower_bound_gate():
