@@ -86,41 +86,14 @@ def main() -> None:
     for design in DESIGNS:
         worst, fast = [0.0, 0.0], []
         for s in seeds:
-            args, flags, init = saturated_lower_bound_case(np.random.default_rng(s))
+            args, flags, init = tka.saturated_lower_bound_case(np.random.default_rng(s))
+            design_args = dict(chunk=design[0], kr_format=design[1], pair_products=design[2])
             o_gold, s_gold = tka.token_recurrence_f64(*args, initial_state=init, **flags)
-            o, st = model.chunked_prefill(*args, initial_state=init, chunk=design[0], kr_format=design[1],
-                                          pair_products=design[2], **flags)
+            o, st = model.chunked_prefill(*args, initial_state=init, **design_args, **flags)
             worst = np.maximum(worst, (tka.err_ratio(o, o_gold), tka.err_ratio(st, s_gold)))
-            fast += fast_path_shares(args, flags, design)
+            fast += tka.fast_path_per_chunk(args, flags, **design_args)
         print(f"lower bound saturated (-5 a token) on half the channels | {label(design)}: "
               f"{worst[0]:.2e} / {worst[1]:.2e}, pair products on the fast path in {np.mean(fast):.0%} of the chunks")
-
-
-def saturated_lower_bound_case(rng, t_len=256):
-    """q, k, v, g, beta (one head), flags and an initial state, with g saturating the lower-bound
-    gate (-5 a token, ln) on the first half of the channels and random on the rest."""
-    case = tka.make_case(rng, t_len, 1, 1, model.GATE_LOWER_BOUND)
-    g = case["g"].copy()
-    g[:, :, : tka.K // 2] = 30.0
-    case["g"] = tka.bf16(g)
-    flags = dict(scale=tka.K ** -0.5, gate_mode=model.GATE_LOWER_BOUND, a_log=case["a_log"],
-                 dt_bias=case["dt_bias"], lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
-    return (case["q"], case["k"], case["v"], case["g"], case["beta"]), flags, case["initial_state"]
-
-
-def fast_path_shares(args, flags, design):
-    """Per full chunk of the case: did its pair products take the fast path (both halves', by halves)?"""
-    q, k, v, g, beta = args
-    chunk = design[0]
-    g2 = model.log2_decay(g[:, 0], flags["gate_mode"], 0.0, flags["dt_bias"][0], np.float32(flags["lower_bound"]))
-    qn, kn = model.normalize(q[:, 0]), model.normalize(k[:, 0])
-    out = []
-    for c0 in range(0, q.shape[0] - chunk + 1, chunk):
-        ops = model.prepare_chunk(qn[c0:c0 + chunk], kn[c0:c0 + chunk], v[c0:c0 + chunk, 0].astype(np.float32),
-                                  g2[c0:c0 + chunk], beta[c0:c0 + chunk, 0].astype(np.float32), np.float32(flags["scale"]),
-                                  chunk=chunk, kr_format=design[1], pair_products=design[2])
-        out.append(ops["fast"])
-    return out
 
 
 if __name__ == "__main__":

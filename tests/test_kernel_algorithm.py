@@ -160,11 +160,29 @@ def test_fp16_scaled_kr_at_32_token_chunks_keeps_the_bar_and_beats_bf16_kr(key_s
     assert e_s < 0.75 * errors["bf16"][1], errors
 
 
-def _fast_path_per_chunk(q, k, v, g2, beta, scale, **design):
-    """Whether each full chunk's pair products took the fast path (one head; q, k normalized)."""
+def saturated_lower_bound_case(rng, t_len=256):
+    """((q, k, v, g, beta), flags, initial_state) of one head whose lower-bound gate is saturated
+    (-5 a token, ln) on the first half of the channels and random on the rest."""
+    case = make_case(rng, t_len, 1, 1, model.GATE_LOWER_BOUND)
+    g = case["g"].copy()
+    g[:, :, : K // 2] = 30.0  # sigmoid(30) = 1 in fp32: those channels decay -5 a token
+    case["g"] = bf16(g)
+    flags = dict(scale=K ** -0.5, gate_mode=model.GATE_LOWER_BOUND, a_log=case["a_log"],
+                 dt_bias=case["dt_bias"], lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
+    return (case["q"], case["k"], case["v"], case["g"], case["beta"]), flags, case["initial_state"]
+
+
+def fast_path_per_chunk(args, flags, **design):
+    """For a one-head case of `saturated_lower_bound_case`'s form: whether each full chunk's pair
+    products took the fast path under `design` (prepare_chunk's chunk, kr_format, pair_products)."""
+    q, k, v, g, beta = args
     chunk = design["chunk"]
+    g2 = model.log2_decay(g[:, 0], flags["gate_mode"], flags["a_log"][0], flags["dt_bias"][0],
+                          np.float32(flags["lower_bound"]))
+    q, k = model.normalize(q[:, 0]), model.normalize(k[:, 0])
+    v, beta = v[:, 0].astype(np.float32), model._sigmoid(beta[:, 0].astype(np.float32))
     return [model.prepare_chunk(q[c0:c0 + chunk], k[c0:c0 + chunk], v[c0:c0 + chunk], g2[c0:c0 + chunk],
-                                beta[c0:c0 + chunk], np.float32(scale), **design)["fast"]
+                                beta[c0:c0 + chunk], np.float32(flags["scale"]), **design)["fast"]
             for c0 in range(0, q.shape[0] - chunk + 1, chunk)]
 
 
@@ -173,23 +191,13 @@ def test_32_token_pair_products_by_halves_keep_a_saturated_lower_bound_gate_on_t
     path's 2^-200: whole-chunk pair products at 32 tokens go element-wise for every chunk. By
     16-token halves plus a cross block of bounded factors (the design benchmarks/chunk_model_study.py
     studies) they stay on the tensor-core path, and the result meets the bar."""
-    rng = np.random.default_rng()
-    case = make_case(rng, 256, 1, 1, model.GATE_LOWER_BOUND)
-    g = case["g"].copy()
-    g[:, :, : K // 2] = 30.0  # sigmoid(30) = 1 in fp32: those channels decay -5 a token
-    case["g"] = bf16(g)
-    flags = dict(scale=K ** -0.5, gate_mode=model.GATE_LOWER_BOUND, a_log=case["a_log"],
-                 dt_bias=case["dt_bias"], lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
-    args = (case["q"], case["k"], case["v"], case["g"], case["beta"])
-    g2 = model.log2_decay(case["g"][:, 0], model.GATE_LOWER_BOUND, 0.0, case["dt_bias"][0], np.float32(-5.0))
+    args, flags, initial_state = saturated_lower_bound_case(np.random.default_rng())
+    g2 = model.log2_decay(args[3][:, 0], model.GATE_LOWER_BOUND, 0.0, flags["dt_bias"][0], np.float32(-5.0))
     assert g2[:, 0].max() == np.float32(-5.0 * model.LOG2E)
-    per_chunk = (model.normalize(case["q"][:, 0]), model.normalize(case["k"][:, 0]),
-                 case["v"][:, 0].astype(np.float32), g2, model._sigmoid(case["beta"][:, 0].astype(np.float32)),
-                 flags["scale"])
-    assert not any(_fast_path_per_chunk(*per_chunk, chunk=32, kr_format="fp16_scaled", pair_products="chunk"))
-    assert all(_fast_path_per_chunk(*per_chunk, chunk=32, kr_format="fp16_scaled", pair_products="halves"))
-    o_gold, final_gold = token_recurrence_f64(*args, initial_state=case["initial_state"], **flags)
-    o, final = model.chunked_prefill(*args, initial_state=case["initial_state"], chunk=32,
+    assert not any(fast_path_per_chunk(args, flags, chunk=32, kr_format="fp16_scaled", pair_products="chunk"))
+    assert all(fast_path_per_chunk(args, flags, chunk=32, kr_format="fp16_scaled", pair_products="halves"))
+    o_gold, final_gold = token_recurrence_f64(*args, initial_state=initial_state, **flags)
+    o, final = model.chunked_prefill(*args, initial_state=initial_state, chunk=32,
                                      kr_format="fp16_scaled", pair_products="halves", **flags)
     e_o, e_s = err_ratio(o, o_gold), err_ratio(final, final_gold)
     print(f"saturated lower bound, 32-token chunks by halves: err_ratio o={e_o:.2e} state={e_s:.2e}")
