@@ -12,6 +12,11 @@ above, then take both back (on a machine that returns only a folder, copy them t
 in them comes from this run of one build: record the build's commit with `--commit` or the
 JAX_KDA_COMMIT environment variable (the installed wheel has no .git; "unknown" otherwise).
 
+`--redraw` times nothing: it draws OUT/table.md and the report again from OUT/results.json (the
+same run's rows), after a change to how they are drawn, with no GPU:
+
+    python benchmarks/bench_prefill.py --redraw --out benchmarks/results/h200 --report benchmarks/BENCHMARK_H200.md
+
 Cases (`--cases`, default all of `jax_kda.testing.BENCHMARK_CASES`: the grid, EXTRA_CASES and
 GATE_DTYPE_CASES, grid shapes with fp32 g and beta), or
 any name of the grid's form such as h2_fixed256, h4_3x1k or h8_mixed (see harness.workload).
@@ -266,16 +271,33 @@ def run_case(w: Workload, args, rng) -> dict:
     return row
 
 
+def write_report(args, rows: list[dict], meta: dict) -> None:
+    """The markdown report at --report (when given), its links relative to it."""
+    if not args.report:
+        return
+    try:
+        results_dir = os.path.relpath(args.out.resolve(), args.report.resolve().parent)
+    except ValueError:
+        results_dir = str(args.out.resolve())
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(harness.render_report(rows, meta, results_dir))
+
+
 def write_all(args, rows: list[dict], meta: dict) -> str:
     """OUT/results.json, table.md and the plot, and the report with --report; returns the table."""
     table = harness.write_results(args.out, rows, meta)
-    if args.report:
-        try:
-            results_dir = os.path.relpath(args.out.resolve(), args.report.resolve().parent)
-        except ValueError:
-            results_dir = str(args.out.resolve())
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(harness.render_report(rows, meta, results_dir))
+    write_report(args, rows, meta)
+    return table
+
+
+def redraw(args) -> str:
+    """--redraw: OUT/table.md and the --report page drawn again from OUT/results.json, the same run's
+    rows and facts (nothing timed, the plot kept); returns the table."""
+    saved = json.loads((args.out / "results.json").read_text())
+    rows = saved.pop("rows")
+    table = harness.render_table(rows)
+    (args.out / "table.md").write_text(table + "\n")
+    write_report(args, rows, saved)
     return table
 
 
@@ -298,7 +320,13 @@ def main():
     parser.add_argument("--report", type=pathlib.Path, help="also write the markdown report here")
     parser.add_argument("--commit", default=None,
                         help=f"the jax_kda build's git commit (default ${harness.COMMIT_ENV}, else 'unknown')")
+    parser.add_argument("--redraw", action="store_true",
+                        help="time nothing: draw OUT/table.md and the --report page again from OUT/results.json "
+                             "(after a change to how they are drawn; the plot is kept)")
     args = parser.parse_args()
+    if args.redraw:
+        print(redraw(args))
+        return
 
     cases = [harness.workload(name) for name in args.cases.split(",") if name]
     if args.fla is not False or args.flashkda is not False:
