@@ -293,7 +293,10 @@ def write_all(args, rows: list[dict], meta: dict) -> str:
 def redraw(args) -> str:
     """--redraw: OUT/table.md and the --report page drawn again from OUT/results.json, the same run's
     rows and facts (nothing timed, the plot kept); returns the table."""
-    saved = json.loads((args.out / "results.json").read_text())
+    path = args.out / "results.json"
+    if not path.is_file():
+        raise SystemExit(f"--redraw: no {path} (a run's --out folder holds one)")
+    saved = json.loads(path.read_text())
     rows = saved.pop("rows")
     table = harness.render_table(rows)
     (args.out / "table.md").write_text(table + "\n")

@@ -109,3 +109,13 @@ def test_redraw_draws_the_report_again_from_results_json(tmp_path):
     assert (out / "table.md").read_text() == harness.render_table(rows) + "\n"
     assert (out / "prefill.png").read_bytes() == b"the run's plot"
     assert "| h96_fixed8k | 49152 | 1.12 | 1.16 | 0.00 | 2.28 | 1.88 | 59% |" in report.read_text()
+
+
+def test_redraw_without_results_json_says_so(tmp_path):
+    import subprocess
+
+    script = pathlib.Path(harness.__file__).parent / "bench_prefill.py"
+    done = subprocess.run([sys.executable, str(script), "--redraw", "--out", str(tmp_path)], capture_output=True,
+                          text=True, env=dict(harness.os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode != 0
+    assert f"--redraw: no {tmp_path / 'results.json'}" in done.stderr
