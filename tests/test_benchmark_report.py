@@ -1,7 +1,10 @@
 """benchmarks/harness.py's report parts that need no GPU: the clock sentence under the table, the
 GPU settings line, the goals and the GPU time per chunk."""
 
+import json
+import os
 import pathlib
+import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -89,8 +92,6 @@ def test_gpu_time_per_chunk_and_the_goal_budget():
 def test_redraw_draws_the_report_again_from_results_json(tmp_path):
     """`bench_prefill.py --redraw`: table.md and the report from OUT/results.json, nothing timed: the
     same text as the run's own write_all, the plot left alone."""
-    import subprocess
-
     meta = dict(date="2026-12-03", commit="abc1234", device="NVIDIA H200", platform="gpu", sms=132,
                 versions={"jax": "0.11.2"}, command="python benchmarks/bench_prefill.py", method="how", plot=True)
     rows = [dict(case="h96_fixed8k", tokens=8192, sequences=1, heads=96, backend="sm90", timing="device",
@@ -99,12 +100,12 @@ def test_redraw_draws_the_report_again_from_results_json(tmp_path):
                  kernels=dict(prepare=416.0, recurrence=432.0, combine=0.0, other=0.0))]
     out = tmp_path / "results"
     out.mkdir()
-    (out / "results.json").write_text(harness.json.dumps(dict(meta, rows=rows)))
+    (out / "results.json").write_text(json.dumps(dict(meta, rows=rows)))
     (out / "prefill.png").write_bytes(b"the run's plot")
     report = tmp_path / "REPORT.md"
     script = pathlib.Path(harness.__file__).parent / "bench_prefill.py"
     subprocess.run([sys.executable, str(script), "--redraw", "--out", str(out), "--report", str(report)],
-                   check=True, capture_output=True, env=dict(harness.os.environ, JAX_PLATFORMS="cpu"))
+                   check=True, capture_output=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert report.read_text() == harness.render_report(rows, meta, "results")
     assert (out / "table.md").read_text() == harness.render_table(rows) + "\n"
     assert (out / "prefill.png").read_bytes() == b"the run's plot"
@@ -112,10 +113,8 @@ def test_redraw_draws_the_report_again_from_results_json(tmp_path):
 
 
 def test_redraw_without_results_json_says_so(tmp_path):
-    import subprocess
-
     script = pathlib.Path(harness.__file__).parent / "bench_prefill.py"
     done = subprocess.run([sys.executable, str(script), "--redraw", "--out", str(tmp_path)], capture_output=True,
-                          text=True, env=dict(harness.os.environ, JAX_PLATFORMS="cpu"))
+                          text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert done.returncode != 0
     assert f"--redraw: no {tmp_path / 'results.json'}" in done.stderr
