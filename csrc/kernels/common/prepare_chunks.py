@@ -105,10 +105,12 @@ HALF_SWAP_WORDS = HALF_SWAP_BYTES // 4
 
 # Persistent CTAs: each walks items (chunk slot, value head) with a grid stride and prefetches
 # the next item's raw q, k, g tiles (cp.async, 16 bytes per copy) while it works on the current
-# one. CTAS_PER_SM[g's element bytes] of them an SM (contract.PREPARE_CTAS_PER_SM): the kernel is
-# latency-bound, so more warps an SM pay while they fit. With bf16 g five CTAs fit, held to 96
-# registers a thread by the launch bound (45 392 B of shared memory each); with fp32 g (53 584 B)
-# four, at up to 128 registers. Residency also needs the CTA to name few barriers (phase 3).
+# one. CTAS_PER_SM[g's element bytes] of them an SM (contract.PREPARE_CTAS_PER_SM). With bf16 g five
+# CTAs fit, held to 96 registers a thread by the launch bound (45 392 B of shared memory each); with
+# fp32 g (53 584 B) four, at up to 128 registers. Residency also needs the CTA to name few barriers
+# (phase 3). Three CTAs an SM measured 23-34 % slower than five; a sixth (one input stage) no faster:
+# at five the kernel runs close to the memory system's rate (csrc/kernels/README.md, "More prepare
+# warps").
 CTAS_PER_SM = {2: PREPARE_CTAS_PER_SM["bfloat16"], 4: PREPARE_CTAS_PER_SM["float32"]}
 # Each CTA keeps (tok0, valid) of its next ITEM_TABLE items in shared memory, one entry computed by
 # each of the first ITEM_TABLE threads (fill_item_table), refilled every ITEM_TABLE items.
