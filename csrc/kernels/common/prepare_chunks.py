@@ -108,9 +108,9 @@ HALF_SWAP_WORDS = HALF_SWAP_BYTES // 4
 # one. CTAS_PER_SM[g's element bytes] of them an SM (contract.PREPARE_CTAS_PER_SM). With bf16 g five
 # CTAs fit, held to 96 registers a thread by the launch bound (45 392 B of shared memory each); with
 # fp32 g (53 584 B) four, at up to 128 registers. Residency also needs the CTA to name few barriers
-# (phase 3). Three CTAs an SM measured 23-34 % slower than five; a sixth (one input stage) no faster:
-# at five the kernel runs close to the memory system's rate (csrc/kernels/README.md, "More prepare
-# warps").
+# (phase 3). Three CTAs an SM measured 23-34 % slower than five; a sixth no faster, because the single
+# input stage that made room for it cost as much (about 3 %) as it gained; the kernel is bound by
+# latency, not memory (csrc/kernels/README.md, "The memory system's headroom").
 CTAS_PER_SM = {2: PREPARE_CTAS_PER_SM["bfloat16"], 4: PREPARE_CTAS_PER_SM["float32"]}
 # Each CTA keeps (tok0, valid) of its next ITEM_TABLE items in shared memory, one entry computed by
 # each of the first ITEM_TABLE threads (fill_item_table), refilled every ITEM_TABLE items.
