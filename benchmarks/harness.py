@@ -53,8 +53,9 @@ METHOD = (
     "kernels count), / K, median of 3 profiled runs, after a warm-up. Wall time / K (median of --reps runs) is "
     "recorded too (*_wall_us in results.json); where no device time can be taken (no torch with CUDA) the "
     "tables show wall time. Per kernel: the durations of the profiled runs' GPU activities summed by name "
-    "(prepare_chunks, the recurrence, combine_segments, everything else: XLA's own ops and copies) / K, "
-    "median of the 3 runs; they need not add up to the span (gaps, overlap). The first input set is a fresh "
+    "(prepare_chunks, the recurrence, combine_segments, everything else: order_units, which orders a packed "
+    "batch's sequences longest first, and XLA's own ops and copies) / K, median of the 3 runs; they need not "
+    "add up to the span (gaps, overlap). The first input set is a fresh "
     "random draw (never zeros); the others are that set with every floating-point array rolled along its "
     "longest axis. All implementations get the same arrays (torch tensors shared with JAX by DLPack), and "
     "their outputs are compared with jax_kda's (err_ratio of o and of the final state) before anything is "
@@ -226,7 +227,8 @@ def gpu_activities(run) -> list[Activity] | None:
 
 
 # Kernel kinds by a part of the kernel's name (lower case): jax_kda's kernels are named after their
-# CuTe DSL classes and functions (prepare_chunks, WgmmaRecurrence / MmaSyncRecurrence, combine_segments).
+# CuTe DSL classes and functions (prepare_chunks, WgmmaRecurrence / MmaSyncRecurrence, combine_segments;
+# order_units, a few µs, counts as "other").
 KERNEL_KINDS = (("prepare", "prepare_chunks"), ("recurrence", "recurrence"), ("combine", "combine_segments"))
 KERNEL_PARTS = tuple(kind for kind, _ in KERNEL_KINDS) + ("other",)
 

@@ -133,7 +133,7 @@ def compile_all(out_dir: pathlib.Path, dump_dir: pathlib.Path | None = None) -> 
 
 
 def kernel_family(kernel: str) -> str:
-    for family in ("prepare_chunks", "combine_segments", "recurrence"):
+    for family in ("prepare_chunks", "combine_segments", "order_units", "recurrence"):
         if family in kernel:
             return family
     return kernel[:60]

@@ -59,7 +59,8 @@ inline int64_t PrefillWorkspaceBytes(int64_t total_tokens, int64_t num_sequences
   const int64_t units = num_sequences * num_segments;
   return PrefillWorkspaceRows(total_tokens, num_sequences, num_segments, num_v_heads) *
              contract::kWorkspaceBytesPerRow +
-         (num_segments > 1 ? contract::kSegmentStates * units * num_v_heads * contract::kStateBytes : 0);
+         (num_segments > 1 ? contract::kSegmentStates * units * num_v_heads * contract::kStateBytes : 0) +
+         units * contract::kUnitTableEntryBytes;
 }
 
 // The process-wide loader of the prefill kernel objects (kda_kernel_objects.h).

@@ -86,6 +86,12 @@ WORKSPACE_BYTES_PER_ROW = sum(r.bytes_per_row for r in WORKSPACE_REGIONS)
 # A segmented call's workspace also holds, after the regions, three fp32 states per (segment, value
 # head): B (its zero-start state) and M (its transition) for every segment, then its start state.
 SEGMENT_STATES = 3
+# Last in every workspace: the recurrence's unit table, one entry (int32 unit, bos, eos, 0) per unit,
+# longest unit first (csrc/kernels/common/unit_order.py). Used by packed calls of at most
+# UNIT_ORDER_MAX_UNITS units: the kernel that ranks them holds every unit's chunk count in shared
+# memory (4 KB); larger batches run in index order.
+UNIT_TABLE_ENTRY_BYTES = 16
+UNIT_ORDER_MAX_UNITS = 1024
 
 
 def region_offsets_per_row() -> dict[str, int]:
@@ -104,11 +110,13 @@ def workspace_rows(total_tokens: int, num_sequences: int, num_segments: int, num
 
 
 def workspace_bytes(total_tokens: int, num_sequences: int, num_segments: int, num_v_heads: int) -> int:
-    """The workspace a call needs (num_segments = 1: unsegmented)."""
+    """The workspace a call needs (num_segments = 1: unsegmented): the regions, the segment states
+    of a segmented call, then the unit table."""
+    units = num_sequences * num_segments
     size = workspace_rows(total_tokens, num_sequences, num_segments, num_v_heads) * WORKSPACE_BYTES_PER_ROW
     if num_segments > 1:
-        size += SEGMENT_STATES * num_sequences * num_segments * num_v_heads * STATE_BYTES
-    return size
+        size += SEGMENT_STATES * units * num_v_heads * STATE_BYTES
+    return size + units * UNIT_TABLE_ENTRY_BYTES
 
 
 # --- Runtime flags and modes ----------------------------------------------------------------------------
@@ -289,6 +297,7 @@ def render_header() -> str:
                         ("kStateBytes", STATE_BYTES), ("kMaxGridYZ", MAX_GRID_YZ),
                         ("kMaxWorkspaceRows", MAX_WORKSPACE_ROWS), ("kMaxSegments", MAX_SEGMENTS),
                         ("kWorkspaceBytesPerRow", WORKSPACE_BYTES_PER_ROW), ("kSegmentStates", SEGMENT_STATES),
+                        ("kUnitTableEntryBytes", UNIT_TABLE_ENTRY_BYTES),
                         ("kGateModeShift", GATE_MODE_SHIFT), ("kGateModeMask", GATE_MODE_MASK)):
         lines.append(f"inline constexpr int64_t {name} = {value};")
     lines.append(f'inline constexpr const char* kFfiTarget = "{FFI_TARGET}";')

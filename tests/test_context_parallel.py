@@ -115,7 +115,8 @@ def test_segmented_workspace_holds_three_states_per_segment_and_head():
     cfg = _cfg("h12_fixed8k")
     plan = planner.plan_prefill(cfg, num_segments=4)
     rows = (8192 // 16 + 4) * 12
-    assert plan.workspace_bytes == rows * contract.WORKSPACE_BYTES_PER_ROW + 3 * 4 * 12 * 128 * 128 * 4
+    # ... after the chunk slots, and before the unit table (one 16-byte entry per segment).
+    assert plan.workspace_bytes == rows * contract.WORKSPACE_BYTES_PER_ROW + 3 * 4 * 12 * 128 * 128 * 4 + 4 * 16
 
 
 def test_planner_keeps_segments_within_the_grid_limit():

@@ -1,9 +1,10 @@
 """The kernels' FFI contract on a Hopper GPU (marked `gpu`): what the accuracy matrix
 (tests/test_prefill_matrix.py) does not check. Sequences never leak into each other, bit for bit;
-bitwise-identical results run to run; inside a jitted program with other ops and new buffers on
-every call, also in CUDA graphs; the initial state donated and updated in place; the planner's own
-segmentation; backend="auto" choosing the kernels; agreement with the XLA path; gradients under
-"auto" (the XLA path's, around the kernel forward).
+a packed batch's results do not depend on the order of its sequences; bitwise-identical results
+run to run; inside a jitted program with other ops and new buffers on every call, also in CUDA
+graphs; the initial state donated and updated in place; the planner's own segmentation;
+backend="auto" choosing the kernels; agreement with the XLA path; gradients under "auto" (the XLA
+path's, around the kernel forward).
 """
 
 from __future__ import annotations
@@ -90,6 +91,45 @@ def test_packed_tokens_never_leak_between_sequences(segments, change, kernels, f
     np.testing.assert_array_equal(o1[:, hi:], o2[:, hi:])
     for n in (0, 1, 3):
         np.testing.assert_array_equal(np.asarray(f1[n]), np.asarray(f2[n]))
+
+
+def _reorder_packed(args, kwargs, perm):
+    """The packed batch of (args, kwargs) with its sequences in the order `perm` (new i = old perm[i])."""
+    cu = np.asarray(kwargs["cu_seqlens"])
+    tokens = np.concatenate([np.arange(cu[n], cu[n + 1]) for n in perm] + [np.zeros(0, np.int64)])
+    lengths = np.diff(cu)[perm]
+    out = dict(kwargs, cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)))
+    if kwargs.get("initial_state") is not None:
+        out["initial_state"] = kwargs["initial_state"][np.asarray(perm)]
+    return tuple(x[:, tokens] for x in args), out
+
+
+@requires_hopper
+@pytest.mark.parametrize("kernels", HOPPER_KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("segments", [None, 3])
+@pytest.mark.parametrize("count", [8, 1027])
+def test_a_packed_batch_gives_the_same_results_in_any_order(count, segments, kernels, fresh_seed):
+    """The recurrence runs a packed batch's sequences longest first (a table the call computes on
+    the device); each sequence's results are bitwise the same whichever order the batch packs
+    them in, and match the float64 recurrence. count=1027: more units than the ordering handles
+    (contract.UNIT_ORDER_MAX_UNITS), run in index order; with segments, 24 and 3081 units."""
+    rng = np.random.default_rng(fresh_seed)
+    if count == 8:  # a long one last, an empty one, tails of every length
+        seqlens = (17, 0, 48, 5, 131, 16, 33, 400)
+    else:
+        seqlens = tuple(int(x) for x in rng.integers(0, 40, count))
+    w = W("order", seqlens=seqlens, heads=1, **D)
+    args, kwargs = make_inputs(w, rng)
+    o1, f1 = prefill_with_kernels(kernels, *args, num_segments=segments, **kwargs)
+    check_against_gold(w.name, w, args, kwargs, o1, f1)
+    perm = rng.permutation(count)
+    args2, kwargs2 = _reorder_packed(args, kwargs, perm)
+    o2, f2 = prefill_with_kernels(kernels, *args2, num_segments=segments, **kwargs2)
+    cu, cu2 = np.asarray(kwargs["cu_seqlens"]), np.asarray(kwargs2["cu_seqlens"])
+    o1, o2, f1, f2 = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (o1, o2, f1, f2))
+    for i, n in enumerate(perm):
+        np.testing.assert_array_equal(o1[:, cu[n]:cu[n + 1]], o2[:, cu2[i]:cu2[i + 1]])
+        np.testing.assert_array_equal(f1[n], f2[i])
 
 
 @requires_hopper

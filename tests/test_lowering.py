@@ -82,9 +82,10 @@ def test_custom_call_target_and_typed_attributes():
         assert re.search(rf"\b{name} = {re.escape(value)}", call), f"{name} = {value} not in {call}"
     # By default the final state is a new buffer: a state that is not donated needs no copy.
     assert "output_operand_aliases" not in call
-    # o in bf16, the final state in fp32, the workspace as uint8 (whole 16-token chunk slots).
+    # o in bf16, the final state in fp32, the workspace as uint8 (whole 16-token chunk slots, then
+    # a 16-byte unit-table entry per sequence).
     workspace = contract.workspace_bytes(200, 2, 1, 12)
-    assert workspace == (200 // 16 + 2) * 12 * contract.WORKSPACE_BYTES_PER_ROW
+    assert workspace == (200 // 16 + 2) * 12 * contract.WORKSPACE_BYTES_PER_ROW + 2 * 16
     assert "tensor<2x100x12x128xbf16>" in call and "tensor<2x12x128x128xf32>" in call
     assert f"tensor<{workspace}xui8>" in call
 

@@ -181,7 +181,8 @@ def test_the_contract_header_carries_every_constant_and_enum_value():
                         ("kMaxGridYZ", contract.MAX_GRID_YZ), ("kMaxWorkspaceRows", contract.MAX_WORKSPACE_ROWS),
                         ("kMaxSegments", contract.MAX_SEGMENTS),
                         ("kWorkspaceBytesPerRow", contract.WORKSPACE_BYTES_PER_ROW),
-                        ("kVSplit", contract.V_SPLIT), ("kStateBytes", contract.STATE_BYTES)):
+                        ("kVSplit", contract.V_SPLIT), ("kStateBytes", contract.STATE_BYTES),
+                        ("kUnitTableEntryBytes", contract.UNIT_TABLE_ENTRY_BYTES)):
         assert f"inline constexpr int64_t {name} = {value};" in header
     for enum in (contract.Flag, contract.GateMode, contract.Phase, contract.Kernels):
         for member in enum:

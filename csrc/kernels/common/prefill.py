@@ -20,7 +20,9 @@ Workspace (one buffer, 16-byte aligned; `kda_contract.workspace_bytes`): with R 
 x value heads), the `kda_contract.WORKSPACE_REGIONS` one after the other, region r taking
 R * r.bytes_per_row bytes; in a segmented call then, with P = units * HV * 65536 bytes (units =
 sequences x segments), bm fp32 [2 units, HV, 128, 128] (each segment's B, M) over 2 P bytes and
-starts fp32 [units, HV, 128, 128] (each segment's start state) over P bytes.
+starts fp32 [units, HV, 128, 128] (each segment's start state) over P bytes; last, in every call,
+the unit table int32 [units, 4] (`unit_order`: the order the recurrence runs packed units in),
+written by WHOLE and SUMMARY calls and read by the APPLY call after them.
 
 Build-time only (imports the DSL).
 """
@@ -43,7 +45,7 @@ from kda_contract import (
     region_offsets_per_row,
 )
 
-from common import combine_segments, prepare_chunks
+from common import combine_segments, prepare_chunks, unit_order
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
 
@@ -91,6 +93,18 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
     ws = _workspace_regions(workspace, rows)
     neg_kw, qd, kr, mqk = ws["neg_kw"], ws["qd"], ws["kr"], ws["mqk"]
     w_hi, w_lo, decay = ws["w_hi"], ws["w_lo"], ws["decay"]
+    # Segmented calls: per-segment B and M, then start states, after the regions above; the unit
+    # table last.
+    seg_base = cutlass.Int64(rows) * WORKSPACE_BYTES_PER_ROW
+    seg_states = cutlass.Int64(units) * num_v_heads * STATE_BYTES
+    table_base = seg_base
+    if num_segments > 1:
+        table_base = seg_base + SEGMENT_STATES * seg_states
+    table = unit_order.unit_table(workspace.iterator, table_base, units)
+    ordered = unit_order.units_ordered(flags, units)
+    # The order first (it reads cu_seqlens alone), so that it runs beside prepare's start.
+    if units * num_v_heads > 0 and ordered and phase != Phase.APPLY:
+        unit_order.launch(cu_seqlens, table, units, q.shape[0], stream)
     # Prepare runs only for the recurrence's sake: with no sequence (N = 0, cu_seqlens = [0]) its
     # rows hold T's slots but nothing reads them, and its sequence lookup would read cu_seqlens[1].
     if rows > 0 and units > 0 and phase != Phase.APPLY:
@@ -110,27 +124,24 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
                  # CTAs fit at once (prepare_chunks.CTAS_PER_SM).
                  preferred_smem_carveout=100, min_blocks_per_mp=per_sm)
     if units * num_v_heads > 0:
-        # Segmented calls: per-segment B and M, then start states, after the regions above.
-        seg_base = cutlass.Int64(rows) * WORKSPACE_BYTES_PER_ROW
-        seg_states = cutlass.Int64(units) * num_v_heads * STATE_BYTES
         if phase == Phase.SUMMARY:
             # The summary pass is its own compiled kernel (no runtime branches in the ordinary
             # one's per-chunk loop); it stores B and M as its "final states".
             bm = _states(workspace.iterator, seg_base, 2 * units, num_v_heads)
             starts = _states(workspace.iterator, seg_base + (SEGMENT_STATES - 1) * seg_states, units, num_v_heads)
             recurrence(summary=True).launch(
-                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, initial_state, o, bm, units,
+                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, table, initial_state, o, bm, units,
                 dense_len, flags, stream)
             combine_segments.launch(bm, initial_state, starts, num_sequences, num_v_heads, num_segments,
                                     flags, num_sms, stream)
         elif phase == Phase.APPLY:
             starts = _states(workspace.iterator, seg_base + (SEGMENT_STATES - 1) * seg_states, units, num_v_heads)
             recurrence().launch(
-                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, starts, o, final_state, units,
+                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, table, starts, o, final_state, units,
                 dense_len, flags | Flag.HAS_INITIAL_STATE, stream)
         else:
             recurrence().launch(
-                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, initial_state, o, final_state, units,
+                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, table, initial_state, o, final_state, units,
                 dense_len, flags, stream)
 
 

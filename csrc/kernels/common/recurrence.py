@@ -2,6 +2,8 @@
 
 One CTA per (64-wide slice of V, value head, sequence) walks the sequence's chunks in order,
 carrying its slice of the fp32 state S^T [64 v, 128 k] in the MMA warps' accumulator registers.
+Block z runs sequence z; in a packed call, the z-th longest (`unit_order`'s table), so that the
+long sequences start first and the short ones fill the kernel's end.
 This file is what every architecture shares: the grid, the warp roles, the TMA pipeline and its
 shared-memory tiles, the state load and store, the zeroing of a partial last chunk's values and the
 output path. The per-chunk products live in a subclass per architecture (`make_mmas`, `consume`):
@@ -39,6 +41,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from kda_contract import CHUNK, HEAD_DIM, RECURRENCE_THREADS, V_PER_CTA, Flag
 
 from common.sequences import sequence_bounds
+from common.unit_order import units_ordered
 
 V_SLICE = V_PER_CTA  # state columns (v) per CTA
 STAGES = 4
@@ -245,7 +248,7 @@ class ChunkRecurrence:
     @cute.jit
     def launch(self, neg_kw: cute.Tensor, qd: cute.Tensor, kr: cute.Tensor, mqk: cute.Tensor,
                v: cute.Tensor, w_hi: cute.Tensor, w_lo: cute.Tensor, decay: cute.Tensor,
-               cu_seqlens: cute.Tensor,
+               cu_seqlens: cute.Tensor, unit_table: cute.Tensor,
                initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor,
                num_seqs: Int32, dense_len: Int32, flags: Int32, stream):
         self.make_mmas()
@@ -300,7 +303,7 @@ class ChunkRecurrence:
             tma_kw, g_kw, tma_qd, g_qd, tma_kr, g_kr, tma_mqk, g_mqk, tma_v, g_v, tma_whi, g_whi,
             tma_wlo, g_wlo, tma_dec, g_dec,
             kw_layout, kr_layout, mqk_layout, v_layout, decay_layout, out_layout,
-            cu_seqlens, initial_state, o, final_state, num_seqs, dense_len, flags,
+            cu_seqlens, unit_table, initial_state, o, final_state, num_seqs, dense_len, flags,
             SharedStorage, stage_bytes,
         ).launch(grid=[SLICES * (2 if self.summary else 1), num_v_heads, num_seqs],
                  block=[THREADS, 1, 1], stream=stream, **bound)
@@ -314,11 +317,11 @@ class ChunkRecurrence:
                kw_layout: cute.ComposedLayout, kr_layout: cute.ComposedLayout,
                mqk_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, decay_layout: cute.Layout,
                out_layout: cute.Layout,
-               cu_seqlens: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
+               cu_seqlens: cute.Tensor, unit_table: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
                final_state: cute.Tensor, num_seqs: Int32, dense_len: Int32, flags: Int32,
                SharedStorage: cutlass.Constexpr, stage_bytes: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
-        v_slice, hv, seq = cute.arch.block_idx()
+        v_slice, hv, z = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         total_tokens = o.shape[0]
         num_v_heads = o.shape[1]
@@ -343,8 +346,19 @@ class ChunkRecurrence:
         s_dec = storage.s_dec.get_tensor(decay_layout)
         s_out = storage.s_out.get_tensor(out_layout)
 
-        varlen = (flags & Flag.VARLEN) != 0
-        bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, varlen)
+        # Block z runs unit z, or in a packed call the z-th longest (unit_order's table; its entries
+        # are a permutation of the units with clamped bounds, clamped here all the same).
+        seq = z
+        bos = Int32(0)
+        eos = Int32(0)
+        if units_ordered(flags, num_seqs):
+            entry = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+            cute.autovec_copy(unit_table[z, None], entry)
+            seq = cutlass.min(cutlass.max(entry[0], 0), num_seqs - 1)
+            bos = cutlass.min(cutlass.max(entry[1], 0), total_tokens)
+            eos = cutlass.min(cutlass.max(entry[2], bos), total_tokens)
+        else:
+            bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, (flags & Flag.VARLEN) != 0)
         num_chunks = (eos - bos + CHUNK - 1) // CHUNK
         slot0 = bos // CHUNK + seq
 
