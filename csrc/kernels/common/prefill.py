@@ -129,21 +129,36 @@ def prefill(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta
             # one's per-chunk loop); it stores B and M as its "final states".
             bm = _states(workspace.iterator, seg_base, 2 * units, num_v_heads)
             starts = _states(workspace.iterator, seg_base + (SEGMENT_STATES - 1) * seg_states, units, num_v_heads)
-            recurrence(summary=True).launch(
-                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, table, initial_state, o, bm, units,
-                dense_len, flags, stream)
+            _launch_recurrence(recurrence, True, ordered, table, neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay,
+                               cu_seqlens, initial_state, o, bm, units, dense_len, flags, stream)
             combine_segments.launch(bm, initial_state, starts, num_sequences, num_v_heads, num_segments,
                                     flags, num_sms, stream)
         elif phase == Phase.APPLY:
             starts = _states(workspace.iterator, seg_base + (SEGMENT_STATES - 1) * seg_states, units, num_v_heads)
-            recurrence().launch(
-                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, table, starts, o, final_state, units,
-                dense_len, flags | Flag.HAS_INITIAL_STATE, stream)
+            _launch_recurrence(recurrence, False, ordered, table, neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay,
+                               cu_seqlens, starts, o, final_state, units, dense_len, flags | Flag.HAS_INITIAL_STATE,
+                               stream)
         else:
-            recurrence().launch(
-                neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, table, initial_state, o, final_state, units,
-                dense_len, flags, stream)
+            _launch_recurrence(recurrence, False, ordered, table, neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay,
+                               cu_seqlens, initial_state, o, final_state, units, dense_len, flags, stream)
 
+
+@cute.jit
+def _launch_recurrence(recurrence: cutlass.Constexpr, summary: cutlass.Constexpr, ordered, table: cute.Tensor,
+                       neg_kw: cute.Tensor, qd: cute.Tensor, kr: cute.Tensor, mqk: cute.Tensor, v: cute.Tensor,
+                       w_hi: cute.Tensor, w_lo: cute.Tensor, decay: cute.Tensor, cu_seqlens: cute.Tensor,
+                       initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor, units: Int32,
+                       dense_len: Int32, flags: Int32, stream):
+    """The recurrence over `units`: its ordered variant with the unit table in a packed call that has
+    one (`ordered`), else the plain kernel, which takes no table."""
+    if ordered:
+        recurrence(summary=summary, ordered=True).launch(
+            neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, table, initial_state, o, final_state, units,
+            dense_len, flags, stream)
+    else:
+        recurrence(summary=summary).launch(
+            neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, None, initial_state, o, final_state, units,
+            dense_len, flags, stream)
 
 def compile_arguments(recurrence, gates) -> tuple:
     """The arguments of `cute.compile(prefill, ...)` for one export: every size symbolic, so one

@@ -237,10 +237,14 @@ class ChunkRecurrence:
     # Subclasses may set 2 to have ptxas hold them to those 168 registers.
     min_blocks_per_sm = None
 
-    def __init__(self, summary: bool = False):
+    def __init__(self, summary: bool = False, ordered: bool = False):
         # summary: the phase-1 kernel of a segmented prefill (twice the V slices, B and M stored
         # instead of o). A separate compiled kernel, so the ordinary one carries none of it.
+        # ordered: the variant that takes its units from unit_order's table where the call has one
+        # (`units_ordered`); launched for packed calls only, so that a dense call's kernel carries
+        # none of it (measured: its registers shift, and the one-CTA-an-SM cases ran 1-3 % slower).
         self.summary = summary
+        self.ordered = ordered
         self.mma_tok = None
         self.mma_state = None
         self.mma_vw = None
@@ -346,19 +350,24 @@ class ChunkRecurrence:
         s_dec = storage.s_dec.get_tensor(decay_layout)
         s_out = storage.s_out.get_tensor(out_layout)
 
-        # Block z runs unit z, or in a packed call the z-th longest (unit_order's table; its entries
-        # are a permutation of the units with clamped bounds, clamped here all the same).
+        # Block z runs unit z, or in the ordered variant of a packed call the z-th longest
+        # (unit_order's table; its entries are a permutation of the units with clamped bounds,
+        # clamped here all the same).
         seq = z
         bos = Int32(0)
         eos = Int32(0)
-        if units_ordered(flags, num_seqs):
-            entry = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-            cute.autovec_copy(unit_table[z, None], entry)
-            seq = cutlass.min(cutlass.max(entry[0], 0), num_seqs - 1)
-            bos = cutlass.min(cutlass.max(entry[1], 0), total_tokens)
-            eos = cutlass.min(cutlass.max(entry[2], bos), total_tokens)
+        if cutlass.const_expr(self.ordered):
+            if units_ordered(flags, num_seqs):
+                entry = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+                cute.autovec_copy(unit_table[z, None], entry)
+                seq = cutlass.min(cutlass.max(entry[0], 0), num_seqs - 1)
+                bos = cutlass.min(cutlass.max(entry[1], 0), total_tokens)
+                eos = cutlass.min(cutlass.max(entry[2], bos), total_tokens)
+            else:
+                bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, (flags & Flag.VARLEN) != 0)
         else:
-            bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, (flags & Flag.VARLEN) != 0)
+            varlen = (flags & Flag.VARLEN) != 0
+            bos, eos = sequence_bounds(cu_seqlens, seq, dense_len, total_tokens, varlen)
         num_chunks = (eos - bos + CHUNK - 1) // CHUNK
         slot0 = bos // CHUNK + seq
 
