@@ -60,10 +60,13 @@ def test_extension_embeds_a_cubin_for_each_kernel_object():
 @requires_extension
 def test_every_kernel_has_a_text_digest_and_a_register_count():
     """build/kernel_digests.py's view of the build: one .text digest per kernel, the same kernels
-    that carry register counts (prepare, combine x 2, recurrence x 3 per object)."""
+    that carry register counts (prepare, combine x 2, order_units, and the recurrence x 6 per
+    object: its plain and ordered variants, each launched by the whole, apply and summary calls)."""
     for image in embedded_cubins(pathlib.Path(_native.load().__file__).read_bytes()):
         digests = text_digests(image)
-        assert len(digests) == 6 and set(digests) == set(register_counts(image))
+        assert len(digests) == 10 and set(digests) == set(register_counts(image))
+        assert sum("order_units" in name for name in digests) == 1
+        assert sum("recurrence" in name.lower() for name in digests) == 6
         assert all(len(d) == 32 for d in digests.values())
 
 
