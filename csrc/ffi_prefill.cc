@@ -58,6 +58,7 @@ struct PrefillAttrs {
   int32_t has_initial_state;
   int32_t output_final_state;
   int32_t varlen;
+  int32_t order_units;  // run the packed units longest first (Flag::kOrderUnits); only with varlen
   int32_t chunk_size;
   int32_t v_split;
   int32_t num_sequences;
@@ -80,14 +81,17 @@ ffi::Error CheckAttrs(const PrefillAttrs& a) {
   if (a.chunk_size != contract::kChunk || a.v_split != contract::kVSplit || a.num_sequences < 0 ||
       a.num_sequences > contract::kMaxGridYZ || a.num_segments < 1 || a.num_segments > contract::kMaxSegments ||
       !(segmented || a.phase == static_cast<int32_t>(Phase::kWhole)) ||
+      (a.order_units && !a.varlen) ||
       (segmented && (!a.varlen || a.state_v_first || a.num_segments < 2)) ||
       (!segmented && a.num_segments != 1)) {
     return InvalidArgument(
         "this build supports chunk_size=" + std::to_string(contract::kChunk) + ", v_split=" +
         std::to_string(contract::kVSplit) + ", num_segments 1 (phase 0) or 2.." +
-        std::to_string(contract::kMaxSegments) + " (phases 1, 2: packed, state K-first); got chunk_size " +
+        std::to_string(contract::kMaxSegments) +
+        " (phases 1, 2: packed, state K-first), order_units only when packed; got chunk_size " +
         std::to_string(a.chunk_size) + ", v_split " + std::to_string(a.v_split) + ", num_segments " +
-        std::to_string(a.num_segments) + ", phase " + std::to_string(a.phase) +
+        std::to_string(a.num_segments) + ", phase " + std::to_string(a.phase) + ", varlen " +
+        std::to_string(a.varlen) + ", order_units " + std::to_string(a.order_units) +
         " (a jax_kda Python/extension version mismatch?)");
   }
   return ffi::Error::Success();
@@ -219,6 +223,7 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   for (auto [set, flag] : {std::pair{attrs.use_qk_l2norm, Flag::kQkL2norm},
                            std::pair{attrs.use_beta_sigmoid, Flag::kBetaSigmoid},
                            std::pair{attrs.varlen, Flag::kVarlen},
+                           std::pair{attrs.order_units, Flag::kOrderUnits},
                            std::pair{attrs.has_initial_state, Flag::kHasInitialState},
                            std::pair{attrs.output_final_state, Flag::kOutputFinalState},
                            std::pair{attrs.state_v_first, Flag::kStateVFirst}}) {
@@ -268,6 +273,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int32_t>("use_qk_l2norm"), xla::ffi::StructMember<int32_t>("use_beta_sigmoid"),
     xla::ffi::StructMember<int32_t>("state_v_first"), xla::ffi::StructMember<int32_t>("has_initial_state"),
     xla::ffi::StructMember<int32_t>("output_final_state"), xla::ffi::StructMember<int32_t>("varlen"),
+    xla::ffi::StructMember<int32_t>("order_units"),
     xla::ffi::StructMember<int32_t>("chunk_size"), xla::ffi::StructMember<int32_t>("v_split"),
     xla::ffi::StructMember<int32_t>("num_sequences"), xla::ffi::StructMember<int32_t>("num_segments"),
     xla::ffi::StructMember<int32_t>("phase"), xla::ffi::StructMember<int32_t>("kernels"));

@@ -87,9 +87,9 @@ WORKSPACE_BYTES_PER_ROW = sum(r.bytes_per_row for r in WORKSPACE_REGIONS)
 # head): B (its zero-start state) and M (its transition) for every segment, then its start state.
 SEGMENT_STATES = 3
 # Last in every workspace: the recurrence's unit table, one entry (int32 unit, bos, eos, 0) per unit,
-# longest unit first (csrc/kernels/common/unit_order.py). Used by packed calls of at most
-# UNIT_ORDER_MAX_UNITS units: the kernel that ranks them holds every unit's chunk count in shared
-# memory (4 KB); larger batches run in index order.
+# longest unit first (csrc/kernels/common/unit_order.py). Used by calls with Flag.ORDER_UNITS of at
+# most UNIT_ORDER_MAX_UNITS units: the kernel that ranks them holds every unit's chunk count in
+# shared memory (4 KB); larger batches run in index order.
 UNIT_TABLE_ENTRY_BYTES = 16
 UNIT_ORDER_MAX_UNITS = 1024
 
@@ -131,6 +131,10 @@ class Flag(enum.IntFlag):
     HAS_INITIAL_STATE = 1 << 3
     OUTPUT_FINAL_STATE = 1 << 4
     STATE_V_FIRST = 1 << 5
+    # With VARLEN: run the units longest first through the unit table (`UNIT_ORDER_MAX_UNITS`). Set
+    # when the caller's input is packed; a segmented call of dense input leaves it clear, its
+    # segments being all of one length (but the last of each sequence), which order cannot help.
+    ORDER_UNITS = 1 << 6
 
 
 GATE_MODE_SHIFT = 8  # flags bits 8..9 hold the GateMode

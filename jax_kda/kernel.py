@@ -116,7 +116,11 @@ def _custom_call(cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, pha
                  varlen: bool, state_v_first: bool, has_initial_state: bool, output_final_state: bool,
                  state_in_place: bool = False):
     """One custom call over `operands` (by name; absent ones empty); `state_in_place` aliases the initial
-    and final states (a WHOLE call with both). Returns (o, final_state, workspace)."""
+    and final states (a WHOLE call with both). Returns (o, final_state, workspace).
+
+    The kernels run the units longest first (`order_units`) when the caller's input is packed: a
+    segmented call of dense input is packed too (`varlen`), but its segments have one length (each
+    sequence's last may be shorter), which no order helps, so it keeps the plain recurrence."""
     empty = {"cu_seqlens": jnp.int32, "workspace": jnp.uint8}
     args = [operands[name] if operands.get(name) is not None else jnp.zeros((0,), empty.get(name, jnp.float32))
             for name in _CALL_OPERANDS]
@@ -150,6 +154,7 @@ def _custom_call(cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, pha
         has_initial_state=i32(has_initial_state),
         output_final_state=i32(output_final_state),
         varlen=i32(varlen),
+        order_units=i32(cfg.varlen),
         chunk_size=i32(plan.chunk_size),
         v_split=i32(plan.v_split),
         num_sequences=i32(cfg.num_seqs),

@@ -71,6 +71,7 @@ def test_custom_call_target_and_typed_attributes():
         "has_initial_state": "1 : i32",
         "output_final_state": "1 : i32",
         "varlen": "0 : i32",
+        "order_units": "0 : i32",  # dense: index order, the plain recurrence
         "chunk_size": f"{contract.CHUNK} : i32",
         "v_split": f"{contract.V_SPLIT} : i32",
         "num_sequences": "2 : i32",
@@ -119,6 +120,7 @@ def test_packed_call_passes_cu_seqlens_and_skips_absent_state():
     f, specs = _call(packed=True, initial_state=False, output_final_state=False, backend="sm100")
     (call,) = _custom_calls(_lower(f, specs))
     assert re.search(r"\bvarlen = 1 : i32", call) and re.search(r"\bhas_initial_state = 0 : i32", call)
+    assert re.search(r"\border_units = 1 : i32", call)  # packed: longest first
     assert re.search(rf"\bkernels = {int(Kernels.SM100)} : i32", call)
     assert "tensor<6xi32>" in call  # cu_seqlens, N + 1 = 6
     assert "output_operand_aliases" not in call
@@ -216,6 +218,20 @@ def test_blackwell_kernels_for_hopper_are_requested_by_name():
     assert re.search(rf"\bkernels = {int(Kernels.MMA_SYNC_ON_SM90)} : i32", call) and "operand_index = 8" in call
 
 
+def test_segmented_packed_call_runs_its_segments_longest_first():
+    """Both calls of a segmented packed call ask for the order (the apply call reads the table the
+    summary call wrote)."""
+    x = S((1, 300, 3, 128), jnp.bfloat16)
+
+    def f(q, k, v, g, beta, cu):
+        return prefill_with_kernels(Kernels.SM90, q, k, v, g, beta, cu_seqlens=cu, num_segments=3,
+                                    output_final_state=True)
+
+    calls = _custom_calls(_lower(f, [x, x, x, x, S((1, 300, 3), jnp.bfloat16), S((6,), jnp.int32)]))
+    assert len(calls) == 2
+    assert all(re.search(r"\bvarlen = 1 : i32", c) and re.search(r"\border_units = 1 : i32", c) for c in calls)
+
+
 def test_segmented_call_lowers_to_a_summary_call_then_an_apply_call():
     b, t, h, d = 2, 100, 3, 128
     x = S((b, t, h, d), jnp.bfloat16)
@@ -233,6 +249,8 @@ def test_segmented_call_lowers_to_a_summary_call_then_an_apply_call():
     # Both calls name the sequences and their segments; neither has to divide one by the other.
     assert all("num_sequences = 2 : i32" in c and "num_segments = 3 : i32" in c and "varlen = 1 : i32" in c
                for c in calls)
+    # Dense input: its segments are of one length, so neither call orders them.
+    assert all(re.search(r"\border_units = 0 : i32", c) for c in calls)
     # The summary call takes the 2 sequences' initial state (K-first) and returns an empty o and an
     # empty final state: B, M and the start states stay in its workspace.
     summary_in, summary_out = summary.split("->")

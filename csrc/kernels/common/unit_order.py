@@ -12,8 +12,10 @@ unit, bos, eos, 0, bounds clamped as `sequence_bounds` clamps them), at the unit
 with more chunks first, equal counts in index order. The rank is a permutation of the units, so
 every unit is run exactly once, and it depends on the lengths alone, so the results are bitwise
 those of index order (each CTA's work is unchanged; only when it starts changes). The recurrence's
-block z reads entry z (`units_ordered`): packed calls of at most UNIT_ORDER_MAX_UNITS units.
-Dense batches are all one length and keep index order without a table.
+block z reads entry z (`units_ordered`): calls of at most UNIT_ORDER_MAX_UNITS units whose
+caller passed packed sequences (Flag.ORDER_UNITS). Dense batches are all one length, and a
+segmented call of dense input has segments of one length (each sequence's last may be shorter):
+both keep index order without a table, on the plain recurrence.
 
 One thread per unit, THREADS a CTA: each CTA loads every unit's chunk count into shared memory
 (at most UNIT_ORDER_MAX_UNITS ints), then each thread counts the units ranked before its own
@@ -36,9 +38,11 @@ assert ENTRY_INTS == 4
 
 @cute.jit
 def units_ordered(flags: Int32, units: Int32):
-    """Whether the recurrence takes its units from the table: packed batches of at most
-    UNIT_ORDER_MAX_UNITS units (the table kernel's shared memory holds that many counts)."""
-    return ((flags & Flag.VARLEN) != 0) & (units <= UNIT_ORDER_MAX_UNITS)
+    """Whether the recurrence takes its units from the table: packed calls that ask for the order
+    (ORDER_UNITS: the caller's input is packed) of at most UNIT_ORDER_MAX_UNITS units (the table
+    kernel's shared memory holds that many counts)."""
+    order = int(Flag.VARLEN | Flag.ORDER_UNITS)
+    return ((flags & order) == order) & (units <= UNIT_ORDER_MAX_UNITS)
 
 
 def unit_table(ws_bytes_ptr, byte_offset, units):
