@@ -149,8 +149,8 @@ def _launch_recurrence(recurrence: cutlass.Constexpr, summary: cutlass.Constexpr
                        w_hi: cute.Tensor, w_lo: cute.Tensor, decay: cute.Tensor, cu_seqlens: cute.Tensor,
                        initial_state: cute.Tensor, o: cute.Tensor, final_state: cute.Tensor, units: Int32,
                        dense_len: Int32, flags: Int32, stream):
-    """The recurrence over `units`: its ordered variant with the unit table in a packed call that has
-    one (`ordered`), else the plain kernel, which takes no table."""
+    """The recurrence over `units`: its ordered variant with the unit table in a call that orders its
+    units (`ordered`: the caller's input is packed), else the plain kernel, which takes no table."""
     if ordered:
         recurrence(summary=summary, ordered=True).launch(
             neg_kw, qd, kr, mqk, v, w_hi, w_lo, decay, cu_seqlens, table, initial_state, o, final_state, units,

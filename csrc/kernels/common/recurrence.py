@@ -241,8 +241,9 @@ class ChunkRecurrence:
         # summary: the phase-1 kernel of a segmented prefill (twice the V slices, B and M stored
         # instead of o). A separate compiled kernel, so the ordinary one carries none of it.
         # ordered: the variant that takes its units from unit_order's table where the call has one
-        # (`units_ordered`); launched for packed calls only, so that a dense call's kernel carries
-        # none of it (measured: its registers shift, and the one-CTA-an-SM cases ran 1-3 % slower).
+        # (`units_ordered`); launched for calls of packed input only, so that the other calls' kernel
+        # carries none of it (measured: its registers shift, and the one-CTA-an-SM cases ran 1-3 %
+        # slower).
         self.summary = summary
         self.ordered = ordered
         self.mma_tok = None
@@ -354,7 +355,7 @@ class ChunkRecurrence:
         # (unit_order's table; its entries are a permutation of the units with clamped bounds,
         # clamped here all the same). The ordered variant checks `units_ordered` itself although
         # prefill.py launches it only where that holds: so it is correct for any call, and its
-        # machine code stays the one the benchmark table timed (a73439e).
+        # machine code stays the one the benchmark table timed (061de85).
         seq = z
         bos = Int32(0)
         eos = Int32(0)
