@@ -15,7 +15,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # Only jax_kda's kernels (all named kernel_cutlass_*) are instrumented: with XLA's own kernels and
 # its GEMM autotuning checked too, racecheck of this script ran for more than 5 minutes.
 for tool in memcheck racecheck; do
-  step "sanitizer-$tool" compute-sanitizer --tool "$tool" --kernel-name kns=kernel_cutlass \
+  sanitize "$tool" --kernel-name kns=kernel_cutlass \
     --error-exitcode 1 python3 "$here/tests/sanitize_prefill.py" $([ "$tool" = racecheck ] && echo --max-tokens 600)
 done
 step demo python3 "$here/examples/demo.py"

@@ -16,7 +16,7 @@ grep -h "GPU(s)\|err_ratio" "$logs/multi-gpu-tests.log" | sort -u | sed 's/^/   
 step example python3 "$here/examples/tensor_parallel.py"
 tail -6 "$logs/example.log"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-step sanitizer-memcheck compute-sanitizer --tool memcheck --kernel-name kns=kernel_cutlass --error-exitcode 1 \
+sanitize memcheck --kernel-name kns=kernel_cutlass --error-exitcode 1 \
   python3 -m pytest -q -m gpu "$here/tests/test_multi_gpu.py" -k "heads_packed and state" -p no:cacheprovider
 step scaling python3 "$here/benchmarks/scaling.py" --out "$logs"
 tail -6 "$logs/scaling.log"
