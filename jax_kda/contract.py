@@ -132,8 +132,8 @@ class Flag(enum.IntFlag):
     OUTPUT_FINAL_STATE = 1 << 4
     STATE_V_FIRST = 1 << 5
     # With VARLEN: run the units longest first through the unit table (`UNIT_ORDER_MAX_UNITS`). Set
-    # when the caller's input is packed; a segmented call of dense input leaves it clear, its
-    # segments being all of one length (but the last of each sequence), which order cannot help.
+    # when the caller's input is packed; a segmented call of dense input leaves it clear: its
+    # segments have one length (each sequence's last may be shorter), which no order helps.
     ORDER_UNITS = 1 << 6
 
 

@@ -2,8 +2,8 @@
 
 One CTA per (64-wide slice of V, value head, sequence) walks the sequence's chunks in order,
 carrying its slice of the fp32 state S^T [64 v, 128 k] in the MMA warps' accumulator registers.
-Block z runs sequence z; in a packed call, the z-th longest (`unit_order`'s table), so that the
-long sequences start first and the short ones fill the kernel's end.
+Block z runs sequence z; in a call of packed input, the z-th longest (`unit_order`'s table), so
+that the long sequences start first and the short ones fill the kernel's end.
 This file is what every architecture shares: the grid, the warp roles, the TMA pipeline and its
 shared-memory tiles, the state load and store, the zeroing of a partial last chunk's values and the
 output path. The per-chunk products live in a subclass per architecture (`make_mmas`, `consume`):
