@@ -12,8 +12,19 @@ above, then take both back (on a machine that returns only a folder, copy them t
 in them comes from this run of one build: record the build's commit with `--commit` or the
 JAX_KDA_COMMIT environment variable (the installed wheel has no .git; "unknown" otherwise).
 
+FLA's first calls for each shape autotune for tens of seconds, so it may be timed by a command of its
+own in the same machine visit, with the same build, and merged into the table:
+
+    python benchmarks/bench_prefill.py --peers-only --no-flashkda --out /tmp/fla     # writes /tmp/fla/peers.json
+    python benchmarks/bench_prefill.py --no-fla --peer-results /tmp/fla/peers.json --xla --out ... --report ...
+
+`--peers-only` times only the peers (jax_kda runs each case once, untimed, for the comparison of
+outputs); `--peer-results` takes their rows when the build, the GPU (its UUID) and the day match, and the
+report names that command beside its own.
+
 `--redraw` times nothing: it draws OUT/table.md and the report again from OUT/results.json (the
-same run's rows), after a change to how they are drawn, with no GPU:
+same run's rows; their derived figures, such as the ratios, recomputed), after a change to how they
+are drawn, with no GPU:
 
     python benchmarks/bench_prefill.py --redraw --out benchmarks/results/h200 --report benchmarks/BENCHMARK_H200.md
 
@@ -223,7 +234,7 @@ def run_case(w: Workload, args, rng) -> dict:
                hbm_floor_us=harness.hbm_floor_us(w))
     print(f"{w.name}: {decision}", flush=True)
 
-    o, state = jax_kda.prefill(*inputs.args, **inputs.kwargs, backend=args.backend)
+    o, state = jax_kda.prefill(*inputs.args, **inputs.kwargs, backend=args.backend)  # compared with the peers
     ours = (np.asarray(jnp.asarray(o, jnp.float32)), None if state is None else np.asarray(state))
     peers = [p for p in PEERS if getattr(args, p.key)]
     if peers:
@@ -250,6 +261,8 @@ def run_case(w: Workload, args, rng) -> dict:
             del calls
         del torch_sets
         torch.cuda.empty_cache()
+    if args.peers_only:
+        return row
 
     t = time_jax(inputs, args.backend, args.reps)
     row["timing"] = "device" if t["device_us"] is not None else "wall"
@@ -292,12 +305,15 @@ def write_all(args, rows: list[dict], meta: dict) -> str:
 
 def redraw(args) -> str:
     """--redraw: OUT/table.md and the --report page drawn again from OUT/results.json, the same run's
-    rows and facts (nothing timed, the plot kept); returns the table."""
+    rows and facts, and the rows' derived figures in results.json recomputed from their measured ones
+    (nothing timed, the plot kept); returns the table."""
     path = args.out / "results.json"
     if not path.is_file():
         raise SystemExit(f"--redraw: no {path} (a run's --out folder holds one)")
     saved = json.loads(path.read_text())
-    rows = saved.pop("rows")
+    # The derived figures (ratios, a peer's table time) follow the current rules: written back too.
+    rows = [harness.with_ratios(r) for r in saved.pop("rows")]
+    path.write_text(json.dumps(dict(saved, rows=rows), indent=1) + "\n")
     table = harness.render_table(rows)
     (args.out / "table.md").write_text(table + "\n")
     write_report(args, rows, saved)
@@ -323,6 +339,12 @@ def main():
     parser.add_argument("--report", type=pathlib.Path, help="also write the markdown report here")
     parser.add_argument("--commit", default=None,
                         help=f"the jax_kda build's git commit (default ${harness.COMMIT_ENV}, else 'unknown')")
+    parser.add_argument("--peers-only", action="store_true",
+                        help="time only the peers (jax_kda runs once a case, untimed, for the comparison) into "
+                             "OUT/peers.json, for --peer-results")
+    parser.add_argument("--peer-results", type=pathlib.Path, action="append", default=[], metavar="PEERS_JSON",
+                        help="the peers.json of a --peers-only run of the same build, GPU and day: its peers' "
+                             "columns go into this run's table (repeatable; a later file wins per case)")
     parser.add_argument("--redraw", action="store_true",
                         help="time nothing: draw OUT/table.md and the --report page again from OUT/results.json "
                              "(after a change to how they are drawn; the plot is kept)")
@@ -331,6 +353,9 @@ def main():
         print(redraw(args))
         return
 
+    if args.peers_only and (args.peer_results or args.report or args.xla):
+        raise SystemExit("--peers-only times only the peers: no --peer-results, --report or --xla with it")
+    peer_runs = [json.loads(path.read_text()) for path in args.peer_results]
     cases = [harness.workload(name) for name in args.cases.split(",") if name]
     if args.fla is not False or args.flashkda is not False:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
@@ -343,9 +368,22 @@ def main():
             print(f"{peer.label} not timed: {reason}")
         setattr(args, peer.key, wanted is not False and reason is None)
 
+    timed_peers = [peer.key for peer in PEERS if getattr(args, peer.key)]
+    if args.peers_only and not timed_peers:
+        raise SystemExit("--peers-only: no peer to time (see above why each is not)")
     meta = harness.run_metadata(args.commit)
+    meta["peers"] = timed_peers
     if args.flashkda:
         meta["versions"]["flash_kda"] = harness.package_version("flash_kda") or "source build"
+    if peer_runs:
+        # Checked before anything is timed: a run that cannot be merged stops here, not after the grid.
+        try:
+            harness.merge_peer_runs([], meta, peer_runs, set(timed_peers))
+        except harness.PeerRunMismatch as e:
+            raise SystemExit(f"--peer-results: {e}") from None
+        for run in peer_runs:
+            meta["versions"].update({k: v for k, v in run["meta"].get("versions", {}).items()
+                                     if k not in meta["versions"]})
     print(f"jax_kda build {meta['commit']} on {meta['device']}, {meta['date']}", flush=True)
     rng = np.random.default_rng()
     rows = []
@@ -355,7 +393,15 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
         # Written after every case, so that a run cut short keeps what it measured.
-        table = write_all(args, rows, meta)
+        if args.peers_only:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "peers.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+            continue
+        merged, merged_meta = harness.merge_peer_runs(rows, meta, peer_runs, set(timed_peers))
+        table = write_all(args, merged, merged_meta)
+    if args.peers_only:
+        print(f"peers-only run: {args.out / 'peers.json'}")
+        return
     if args.report:
         print(f"report: {args.report}")
     print(f"\nmethod: {harness.METHOD}\ndevice: {meta['device']}, {meta['date']}, "

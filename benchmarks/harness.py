@@ -340,12 +340,32 @@ def run_metadata(commit: str | None = None, method: str = METHOD) -> dict:
 # --- Tables, plot and report --------------------------------------------------------------------------------
 
 
+# The peers a run may time: the key that prefixes their fields in a row (`fla_us`, `flashkda_err_o`,
+# ...), and the name the tables give them.
+PEER_LABELS = {"flashkda": "FlashKDA", "fla": "FLA"}
+
+
+def peer_us(row: dict, peer: str) -> float | None:
+    """A peer's time in the tables: the smaller of its device time (`{peer}_us`) and its wall time per
+    call. The peers run as eager torch calls, and under the profiler the gaps between their kernels grow
+    (FLA's most: 6.1 ms device span against 3.0 ms wall time a call on 64 heads x 6 mixed prompts), while
+    their wall time over K calls and one synchronisation can only overstate their GPU time; so a peer
+    is never charged for the profiler. jax_kda's figure stays its device time (its wall time is larger)."""
+    us, wall = row.get(f"{peer}_us"), row.get(f"{peer}_wall_us")
+    if us is None:
+        return None
+    return us if wall is None else min(us, wall)
+
+
 def with_ratios(row: dict) -> dict:
-    """The row plus its derived ratios: floor / jax_kda, and each peer's time / jax_kda's."""
+    """The row plus its derived figures: floor / jax_kda, and per peer its table time (`{peer}_best_us`:
+    peer_us) and that / jax_kda's."""
     out = dict(row, floor_fraction=row["hbm_floor_us"] / row["jax_kda_us"])
-    for peer in ("flashkda", "fla"):
-        if row.get(f"{peer}_us") is not None:
-            out[f"speedup_vs_{peer}"] = row[f"{peer}_us"] / row["jax_kda_us"]
+    for peer in PEER_LABELS:
+        best = peer_us(row, peer)
+        if best is not None:
+            out[f"{peer}_best_us"] = best
+            out[f"speedup_vs_{peer}"] = best / row["jax_kda_us"]
     return out
 
 
@@ -382,7 +402,7 @@ def render_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["case"], _tokens(r), str(r["heads"]), _plan(r), _us(r["jax_kda_us"]),
-                 _us(r.get("flashkda_us")), _us(r.get("fla_us")),
+                 _us(r.get("flashkda_best_us")), _us(r.get("fla_best_us")),
                  _fmt(r.get("speedup_vs_flashkda"), ".2f", "x"), _fmt(r.get("speedup_vs_fla"), ".2f", "x"),
                  _us(r["hbm_floor_us"]), _fmt(r["floor_fraction"], ".1%")]
         if kernels:
@@ -435,8 +455,9 @@ def goal_time_us(r: dict) -> float | None:
     """The longest call that meets every goal on the row's case (µs): half of FlashKDA's time where
     the 2x goal applies and FlashKDA ran, and GOAL_H96_FIXED8K_US at h96_fixed8k; None without a goal."""
     bounds = []
-    if r.get("flashkda_us") is not None and _flashkda_goal_applies(r):
-        bounds.append(r["flashkda_us"] / GOAL_VS_FLASHKDA)
+    flashkda = peer_us(r, "flashkda")
+    if flashkda is not None and _flashkda_goal_applies(r):
+        bounds.append(flashkda / GOAL_VS_FLASHKDA)
     if r["case"] == "h96_fixed8k":
         bounds.append(GOAL_H96_FIXED8K_US)
     return min(bounds) if bounds else None
@@ -522,8 +543,7 @@ def render_bytes_per_token_head() -> str:
 
 def render_agreement(rows: list[dict]) -> str | None:
     """The agreement table (err_ratio of each peer's o and final state against jax_kda's)."""
-    peers = [(p, label) for p, label in (("flashkda", "FlashKDA"), ("fla", "FLA"))
-             if any(r.get(f"{p}_err_o") is not None for r in rows)]
+    peers = [(p, label) for p, label in PEER_LABELS.items() if any(r.get(f"{p}_err_o") is not None for r in rows)]
     if not peers:
         return None
     head = ["case"] + [f"{label} {what}" for _, label in peers for what in ("o", "state")]
@@ -546,7 +566,7 @@ def write_plot(rows: list[dict], path: pathlib.Path, device: str) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(12, 4.5))
     x = np.arange(len(rows))
-    series = [("jax_kda_us", "jax_kda"), ("flashkda_us", "FlashKDA"), ("fla_us", "FLA chunk_kda"),
+    series = [("jax_kda_us", "jax_kda"), ("flashkda_best_us", "FlashKDA"), ("fla_best_us", "FLA chunk_kda"),
               ("xla_us", "jax_kda XLA path")]
     present = [(key, label) for key, label in series if any(r.get(key) is not None for r in rows)]
     width = 0.8 / max(len(present), 1)
@@ -592,6 +612,47 @@ def write_results(out: pathlib.Path, rows: list[dict], meta: dict) -> str:
     return table
 
 
+class PeerRunMismatch(ValueError):
+    """A peers-only run that cannot be merged into this run's table (another build, GPU or day)."""
+
+
+def merge_peer_runs(rows: list[dict], meta: dict, runs: list[dict], timed_here: set[str]) -> tuple[list, dict]:
+    """`rows` with the peer fields (`fla_us`, `fla_err_o`, ...) of `runs`, the saved output of
+    `bench_prefill.py --peers-only` commands (dicts with `meta` and `rows`), and `meta` with
+    `peer_runs`: what each one timed, where and with which command, for the report.
+
+    A peer whose first calls autotune for minutes (FLA) may so be timed by its own command of the same
+    machine visit. Such a run must have timed the same jax_kda build (it compares the peer's outputs with
+    that build's before timing), on the same GPU (its UUID) on the same day, and no peer may be both
+    timed here and merged; otherwise PeerRunMismatch. A case this run lacks is left out; where two runs
+    timed the same peer on a case, the later one in `runs` counts."""
+    merged = [dict(r) for r in rows]
+    by_case = {r["case"]: r for r in merged}
+    records = []
+    for run in runs:
+        theirs = run["meta"]
+        command = theirs.get("command", "?")
+        for fact, mine, other in (("build", meta.get("commit"), theirs.get("commit")),
+                                  ("GPU", (meta.get("gpu") or {}).get("uuid"), (theirs.get("gpu") or {}).get("uuid")),
+                                  ("day", meta.get("date"), theirs.get("date"))):
+            if mine != other:
+                raise PeerRunMismatch(f"peers-only run `{command}`: another {fact} ({other}) than this run's ({mine})")
+        peers = list(theirs.get("peers", []))
+        both = sorted(set(peers) & set(timed_here))
+        if both:
+            raise PeerRunMismatch(f"peers-only run `{command}` timed {', '.join(both)}, which this run times too")
+        cases = []
+        for their_row in run["rows"]:
+            row = by_case.get(their_row["case"])
+            if row is None:
+                continue
+            for peer in peers:
+                row.update({k: v for k, v in their_row.items() if k.startswith(peer + "_")})
+            cases.append(their_row["case"])
+        records.append(dict(command=command, date=theirs.get("date"), peers=peers, cases=cases))
+    return merged, dict(meta, peer_runs=records)
+
+
 GENERATED = ("Generated by `benchmarks/bench_prefill.py --report` from one run of one build in one process: "
              "do not edit by hand, rerun the command below.")
 
@@ -605,6 +666,11 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
     cc = f", compute capability {meta['compute_capability']}" if meta.get("compute_capability") else ""
     versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
     gpu = meta.get("gpu")
+    peer_runs = meta.get("peer_runs") or []
+    if peer_runs:
+        merged = sorted({PEER_LABELS.get(p, p) for run in peer_runs for p in run["peers"]})
+        provenance += (f" The {' and '.join(merged)} column comes from a command of its own in the same machine "
+                       "visit, with the same build (named below).")
     lines = [
         f"# jax_kda prefill on the {meta['device']}",
         "",
@@ -618,6 +684,11 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
         f"- Software: {versions}",
         f"- Command: `{meta['command']}`",
     ]
+    for run in peer_runs:
+        labels = " and ".join(PEER_LABELS.get(p, p) for p in run["peers"])
+        lines.append(f"- {labels}: timed by its own command on the same GPU and build, the same visit "
+                     f"({len(run['cases'])} case{'s' if len(run['cases']) != 1 else ''}, each peer's outputs compared with jax_kda's first), merged "
+                     f"with `--peer-results`: `{run['command']}`")
     def link(name):
         return name if results_dir in (None, "", ".") else f"{results_dir}/{name}"
 
@@ -634,6 +705,8 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
         "Cases: `jax_kda.testing.BENCHMARK_CASES` (D = K = V = 128, bf16 q / k / v / raw g / beta (fp32 g and "
         "beta in the `_f32gates` cases), lower-bound gate -5 with A_log, gate + beta sigmoid + q/k l2norm in the "
         f"kernel, fp32 initial and final state in the `[N, H, V, K]` layout). Times are µs per call, {timing}; "
+        "a peer's is the smaller of its device time and its wall time (`*_best_us` in results.json: the profiler "
+        "widens the gaps between an eager peer's kernels, and its wall time can only overstate its GPU time); "
         "\"vs X\" is X's time / jax_kda's; plan is the kernels' V split and segments per sequence (intracard "
         "context parallelism); per-kernel columns are jax_kda's kernels; — means not run.",
         "",
@@ -682,6 +755,7 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
         "`--commit`:",
         "",
         "```bash",
+        *[run["command"] for run in peer_runs],
         meta["command"],
         "```",
         "",

@@ -118,3 +118,120 @@ def test_redraw_without_results_json_says_so(tmp_path):
                           text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert done.returncode != 0
     assert f"--redraw: no {tmp_path / 'results.json'}" in done.stderr
+
+
+def _peer_run(commit="abc1234", uuid="GPU-1", date="2026-12-04", peers=("fla",), cases=("h96_fixed8k",), us=2700.0):
+    meta = dict(date=date, commit=commit, gpu=dict(uuid=uuid), peers=list(peers), versions={"fla-core": "0.6.0"},
+                command="python benchmarks/bench_prefill.py --peers-only --no-flashkda --out /tmp/fla")
+    rows = [dict(case=c, fla_us=us, fla_wall_us=us + 10, fla_timing="device", fla_err_o=4.6e-3, fla_err_state=2.6e-3,
+                 flashkda_us=1.0) for c in cases]
+    return dict(meta=meta, rows=rows)
+
+
+def _main_run():
+    meta = dict(date="2026-12-04", commit="abc1234", device="NVIDIA H200", platform="gpu", sms=132,
+                gpu=dict(uuid="GPU-1", power_limit_w=700.0, max_sm_mhz=1980.0, driver="580"),
+                versions={"jax": "0.11.2"}, command="python benchmarks/bench_prefill.py --no-fla", method="how")
+    rows = [dict(case=c, tokens=8192, sequences=1, heads=96, backend="sm90", timing="device", hbm_floor_us=237.0,
+                 plan=dict(v_split=2, num_segments=1, segment_len=0, chunk=16), jax_kda_us=834.0, flashkda_us=1416.0)
+            for c in ("h96_fixed8k", "h64_fixed8k")]
+    return rows, meta
+
+
+def test_peer_results_fill_the_peer_columns_and_the_report_names_their_command():
+    """`--peer-results`: a peers-only run's FLA fields go into the rows it shares with this run (only
+    the peers that run timed: its stray flashkda_us is not taken), a later run wins on a case, and the
+    report names the command beside its own (facts, provenance, reproduce)."""
+    rows, meta = _main_run()
+    first = _peer_run(cases=("h96_fixed8k", "h64_fixed8k", "h8_fixed64k"), us=2700.0)
+    later = _peer_run(cases=("h64_fixed8k",), us=1800.0)
+    merged, merged_meta = harness.merge_peer_runs(rows, meta, [first, later], {"flashkda"})
+    assert [r["fla_us"] for r in merged] == [2700.0, 1800.0]
+    assert [r["flashkda_us"] for r in merged] == [1416.0, 1416.0]
+    assert merged[0]["fla_err_state"] == 2.6e-3 and merged[0]["fla_timing"] == "device"
+    assert "fla_us" not in rows[0]  # the caller's rows are left as they were
+    assert merged_meta["peer_runs"][0]["cases"] == ["h96_fixed8k", "h64_fixed8k"]
+    table = harness.render_table(merged)
+    assert "| h96_fixed8k | 8192 | 96 | 2 / 1 | 834 | 1416 | 2700 | 1.70x | 3.24x |" in table
+    report = harness.render_report(merged, merged_meta, "results")
+    assert "The FLA column comes from a command of its own in the same machine visit" in report
+    assert ("- FLA: timed by its own command on the same GPU and build, the same visit (2 cases, each peer's "
+            "outputs compared with jax_kda's first), merged with `--peer-results`: "
+            f"`{first['meta']['command']}`") in report
+    reproduce = report.split("## Reproduce")[1]
+    assert reproduce.index(first["meta"]["command"]) < reproduce.index(meta["command"])
+    assert "| h96_fixed8k | 4.60e-03 | 2.60e-03 |" in report.split("## Agreement")[1].replace(" — | — |", "")
+
+
+def test_peer_results_of_another_build_gpu_or_day_or_of_a_peer_timed_here_are_refused():
+    rows, meta = _main_run()
+    for bad, fact in ((_peer_run(commit="fffffff"), "build"), (_peer_run(uuid="GPU-2"), "GPU"),
+                      (_peer_run(date="2026-12-03"), "day")):
+        try:
+            harness.merge_peer_runs(rows, meta, [bad], set())
+        except harness.PeerRunMismatch as e:
+            assert f"another {fact}" in str(e)
+        else:
+            raise AssertionError(f"a peers-only run of another {fact} was merged")
+    try:
+        harness.merge_peer_runs(rows, meta, [_peer_run()], {"fla"})
+    except harness.PeerRunMismatch as e:
+        assert "timed fla, which this run times too" in str(e)
+    else:
+        raise AssertionError("a peer timed in both runs was merged")
+
+
+def _bench(*args):
+    script = pathlib.Path(harness.__file__).parent / "bench_prefill.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_bench_refuses_peer_results_of_another_build_before_timing(tmp_path):
+    peers = tmp_path / "peers.json"
+    peers.write_text(json.dumps(_peer_run(commit="fffffff", uuid=None)))
+    done = _bench("--backend", "xla", "--no-fla", "--no-flashkda", "--cases", "h2_fixed256", "--commit", "abc1234",
+                  "--peer-results", str(peers), "--out", str(tmp_path / "out"))
+    assert done.returncode != 0
+    assert "--peer-results: peers-only run" in done.stderr and "another build (fffffff)" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_peers_only_needs_a_peer_and_takes_no_report(tmp_path):
+    done = _bench("--peers-only", "--no-fla", "--no-flashkda", "--out", str(tmp_path / "out"))
+    assert done.returncode != 0 and "--peers-only: no peer to time" in done.stderr
+    done = _bench("--peers-only", "--report", str(tmp_path / "r.md"), "--out", str(tmp_path / "out"))
+    assert done.returncode != 0 and "no --peer-results, --report or --xla with it" in done.stderr
+
+
+def test_bench_merges_a_peers_only_run_into_its_table_and_report(tmp_path):
+    """The CLI end to end on the CPU (XLA path, no peers importable): a peers.json of the same build and day
+    (no GPU on either side) fills the FLA column of table.md, results.json and the report."""
+    import time
+
+    run = _peer_run(uuid=None, date=time.strftime("%Y-%m-%d", time.gmtime()), cases=("h2_fixed256",), us=99.0)
+    run["meta"]["gpu"] = None
+    peers = tmp_path / "peers.json"
+    peers.write_text(json.dumps(run))
+    out, report = tmp_path / "out", tmp_path / "REPORT.md"
+    done = _bench("--backend", "xla", "--no-fla", "--no-flashkda", "--cases", "h2_fixed256", "--commit", "abc1234",
+                  "--reps", "2", "--peer-results", str(peers), "--out", str(out), "--report", str(report))
+    assert done.returncode == 0, done.stderr
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["rows"][0]["fla_us"] == 99.0 and saved["peer_runs"][0]["cases"] == ["h2_fixed256"]
+    assert "| 99 |" in (out / "table.md").read_text()
+    assert "(1 case, each peer's outputs compared" in report.read_text()
+
+
+def test_a_peers_table_time_is_the_smaller_of_its_device_and_wall_time():
+    """The profiler can widen an eager peer's device span past its wall time: the table, the ratio, the
+    goal's budget and results.json's `*_best_us` take the smaller; jax_kda keeps its device time."""
+    rows, meta = _main_run()
+    row = dict(rows[1], case="h64_mixed", sequences=6, heads=64, flashkda_us=1018.0, flashkda_wall_us=1015.0,
+               fla_us=6092.0, fla_wall_us=2976.0, jax_kda_us=520.0, jax_kda_wall_us=629.0)
+    full = harness.with_ratios(row)
+    assert (full["fla_best_us"], full["flashkda_best_us"]) == (2976.0, 1015.0)
+    assert abs(full["speedup_vs_fla"] - 2976.0 / 520.0) < 1e-12
+    assert harness.goal_time_us(row) == 1015.0 / 2
+    assert "| 520 | 1015 | 2976 | 1.95x | 5.72x |" in harness.render_table([row])
+    assert harness.peer_us(dict(fla_us=10.0), "fla") == 10.0 and harness.peer_us({}, "fla") is None
