@@ -4,7 +4,9 @@
 
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
+#include <string>
 #include <type_traits>
 
 #include "ffi_handlers.h"
@@ -79,6 +81,23 @@ NB_MODULE(_jax_kda_ext, m) {
       "The installed CUDA driver's version as 1000 * major + 10 * minor (0 without a driver).");
   m.def("cuda_runtime_version", [] { return CUDART_VERSION; },
         "The CUDA runtime version the extension links statically (1000 * major + 10 * minor).");
+
+  m.def(
+      "prefill_attributes_error",
+      [](nb::dict attrs) -> std::string {
+        jax_kda::PrefillAttrs decoded{};
+        size_t fields = 0;
+#define JAX_KDA_ATTR_FIELD(type, name)                                                       \
+  if (!attrs.contains(#name)) throw nb::key_error("missing attribute " #name);               \
+  decoded.name = nb::cast<type>(attrs[#name]);                                              \
+  ++fields;
+        JAX_KDA_PREFILL_ATTR_FIELDS(JAX_KDA_ATTR_FIELD)
+#undef JAX_KDA_ATTR_FIELD
+        if (attrs.size() != fields) throw nb::value_error("attributes the handler does not decode");
+        return jax_kda::PrefillAttrsError(decoded);
+      },
+      "Why the FFI handler would refuse a call with these static attributes (name -> number, exactly "
+      "the ones it decodes), or an empty string.");
 
   m.def("workspace_bytes", &jax_kda::PrefillWorkspaceBytes,
         "The workspace bytes the handler requires for (total_tokens, num_sequences, num_segments, HV).");

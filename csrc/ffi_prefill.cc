@@ -47,34 +47,15 @@ std::string Dims(ffi::Span<const int64_t> dims) {
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The static attributes of a call; every one the lowering emits must be bound.
-struct PrefillAttrs {
-  int32_t gate_mode;
-  float lower_bound;
-  float scale;
-  int32_t use_qk_l2norm;
-  int32_t use_beta_sigmoid;
-  int32_t state_v_first;
-  int32_t has_initial_state;
-  int32_t output_final_state;
-  int32_t varlen;
-  int32_t order_units;  // run the packed units longest first (Flag::kOrderUnits); only with varlen
-  int32_t chunk_size;
-  int32_t v_split;
-  int32_t num_sequences;
-  int32_t num_segments;
-  int32_t phase;
-  int32_t kernels;
-};
+}  // namespace
 
-ffi::Error CheckAttrs(const PrefillAttrs& a) {
+std::string PrefillAttrsError(const PrefillAttrs& a) {
   if (a.gate_mode < 0 || a.gate_mode > contract::kGateModeMask) {
-    return InvalidArgument("gate_mode must be 0.." + std::to_string(contract::kGateModeMask) + ", got " +
-                           std::to_string(a.gate_mode));
+    return "gate_mode must be 0.." + std::to_string(contract::kGateModeMask) + ", got " + std::to_string(a.gate_mode);
   }
   if (a.kernels < 0 || a.kernels >= contract::kNumKernels) {
-    return InvalidArgument("kernels must be 0.." + std::to_string(contract::kNumKernels - 1) + ", got " +
-                           std::to_string(a.kernels) + " (a jax_kda Python/extension version mismatch?)");
+    return "kernels must be 0.." + std::to_string(contract::kNumKernels - 1) + ", got " + std::to_string(a.kernels) +
+           " (a jax_kda Python/extension version mismatch?)";
   }
   const bool segmented = a.phase == static_cast<int32_t>(Phase::kSummary) ||
                          a.phase == static_cast<int32_t>(Phase::kApply);
@@ -84,17 +65,23 @@ ffi::Error CheckAttrs(const PrefillAttrs& a) {
       (a.order_units && !a.varlen) ||
       (segmented && (!a.varlen || a.state_v_first || a.num_segments < 2)) ||
       (!segmented && a.num_segments != 1)) {
-    return InvalidArgument(
-        "this build supports chunk_size=" + std::to_string(contract::kChunk) + ", v_split=" +
-        std::to_string(contract::kVSplit) + ", num_segments 1 (phase 0) or 2.." +
-        std::to_string(contract::kMaxSegments) +
-        " (phases 1, 2: packed, state K-first), order_units only when packed; got chunk_size " +
-        std::to_string(a.chunk_size) + ", v_split " + std::to_string(a.v_split) + ", num_segments " +
-        std::to_string(a.num_segments) + ", phase " + std::to_string(a.phase) + ", varlen " +
-        std::to_string(a.varlen) + ", order_units " + std::to_string(a.order_units) +
-        " (a jax_kda Python/extension version mismatch?)");
+    return "this build supports chunk_size=" + std::to_string(contract::kChunk) + ", v_split=" +
+           std::to_string(contract::kVSplit) + ", num_segments 1 (phase 0) or 2.." +
+           std::to_string(contract::kMaxSegments) +
+           " (phases 1, 2: packed, state K-first), order_units only when packed; got chunk_size " +
+           std::to_string(a.chunk_size) + ", v_split " + std::to_string(a.v_split) + ", num_segments " +
+           std::to_string(a.num_segments) + ", phase " + std::to_string(a.phase) + ", varlen " +
+           std::to_string(a.varlen) + ", order_units " + std::to_string(a.order_units) +
+           " (a jax_kda Python/extension version mismatch?)";
   }
-  return ffi::Error::Success();
+  return "";
+}
+
+namespace {
+
+ffi::Error CheckAttrs(const PrefillAttrs& attrs) {
+  const std::string error = PrefillAttrsError(attrs);
+  return error.empty() ? ffi::Error::Success() : InvalidArgument(error);
 }
 
 // Runs once per call site when XLA builds the executable, outside any CUDA graph capture, which is
@@ -267,16 +254,10 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
 }  // namespace jax_kda
 
 // The attribute struct is decoded from the call's attributes by name.
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jax_kda::PrefillAttrs, xla::ffi::StructMember<int32_t>("gate_mode"),
-    xla::ffi::StructMember<float>("lower_bound"), xla::ffi::StructMember<float>("scale"),
-    xla::ffi::StructMember<int32_t>("use_qk_l2norm"), xla::ffi::StructMember<int32_t>("use_beta_sigmoid"),
-    xla::ffi::StructMember<int32_t>("state_v_first"), xla::ffi::StructMember<int32_t>("has_initial_state"),
-    xla::ffi::StructMember<int32_t>("output_final_state"), xla::ffi::StructMember<int32_t>("varlen"),
-    xla::ffi::StructMember<int32_t>("order_units"),
-    xla::ffi::StructMember<int32_t>("chunk_size"), xla::ffi::StructMember<int32_t>("v_split"),
-    xla::ffi::StructMember<int32_t>("num_sequences"), xla::ffi::StructMember<int32_t>("num_segments"),
-    xla::ffi::StructMember<int32_t>("phase"), xla::ffi::StructMember<int32_t>("kernels"));
+// PrefillAttrs' fields by name, in their order (contract.CALL_ATTRIBUTES).
+#define JAX_KDA_ATTR_MEMBER(type, name) xla::ffi::StructMember<type>(#name)
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_kda::PrefillAttrs, JAX_KDA_PREFILL_ATTR_LIST(JAX_KDA_ATTR_MEMBER));
+#undef JAX_KDA_ATTR_MEMBER
 
 namespace jax_kda {
 

@@ -275,6 +275,29 @@ BACKEND_KERNELS = {"sm90": Kernels.SM90, "sm100": Kernels.SM100}
 
 FFI_TARGET = "jax_kda_prefill"  # the one custom call target of the prefill
 
+# The target's static attributes, (name, type: "i32" or "f32"), in the order the FFI handler's
+# PrefillAttrs holds them (kda_contract.h renders this list for its fields and its decoding by name).
+# jax_kda/kernel.py emits exactly these; the handler checks their values (PrefillAttrsError).
+CALL_ATTRIBUTES = (
+    ("gate_mode", "i32"),           # GateMode
+    ("lower_bound", "f32"),         # the lower-bound gates' bound (ln units)
+    ("scale", "f32"),               # the query scale
+    ("use_qk_l2norm", "i32"),       # 0 / 1, like the other flags
+    ("use_beta_sigmoid", "i32"),
+    ("state_v_first", "i32"),
+    ("has_initial_state", "i32"),
+    ("output_final_state", "i32"),
+    ("varlen", "i32"),              # the kernels see a packed batch (cu_seqlens)
+    ("order_units", "i32"),         # run the packed units longest first (Flag.ORDER_UNITS); only with varlen
+    ("chunk_size", "i32"),          # the plan's
+    ("v_split", "i32"),
+    ("num_sequences", "i32"),
+    ("num_segments", "i32"),
+    ("phase", "i32"),               # Phase
+    ("kernels", "i32"),             # Kernels
+)
+_CXX_TYPES = {"i32": "int32_t", "f32": "float"}
+
 
 def compute_capabilities(kernels: Kernels) -> tuple[str, ...]:
     """The compute capabilities (e.g. "9.0") a request can run on."""
@@ -348,7 +371,14 @@ def render_header() -> str:
         for arch, obj in by_arch.items():
             lines.append(f'  {{Kernels(int32_t{{{int(kernels)}}}), "{arch}", "{obj}"}},')
     lines.append("};")
-    lines += ["", "}  // namespace jax_kda::contract", "", "#endif  // JAX_KDA_KDA_CONTRACT_H_", ""]
+    lines += ["", "}  // namespace jax_kda::contract", ""]
+    # The custom call's attributes (CALL_ATTRIBUTES) as two X-macros calling X(C++ type, name) for each,
+    # in order: one after another (the handler's struct fields), and separated by commas (its decoding).
+    attrs = [f"X({_CXX_TYPES[kind]}, {name})" for name, kind in CALL_ATTRIBUTES]
+    lines.append("// The custom call's static attributes, in order: X(C++ type, name) for each.")
+    lines.append("#define JAX_KDA_PREFILL_ATTR_FIELDS(X) \\\n  " + " \\\n  ".join(attrs))
+    lines.append("#define JAX_KDA_PREFILL_ATTR_LIST(X) \\\n  " + ", \\\n  ".join(attrs))
+    lines += ["", "#endif  // JAX_KDA_KDA_CONTRACT_H_", ""]
     return "\n".join(lines)
 
 

@@ -142,26 +142,36 @@ def _custom_call(cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, pha
          jax.ShapeDtypeStruct((plan.workspace_bytes,), jnp.uint8)),
         input_output_aliases=aliases,
     )
-    i32, f32 = np.int32, np.float32  # numpy scalars: each attribute gets an exact MLIR type
-    return call(
-        *args,
-        gate_mode=i32(cfg.gate_mode),
-        lower_bound=f32(cfg.lower_bound),
-        scale=f32(cfg.scale),
-        use_qk_l2norm=i32(cfg.use_qk_l2norm),
-        use_beta_sigmoid=i32(cfg.use_beta_sigmoid),
-        state_v_first=i32(state_v_first),
-        has_initial_state=i32(has_initial_state),
-        output_final_state=i32(output_final_state),
-        varlen=i32(varlen),
-        order_units=i32(cfg.varlen),
-        chunk_size=i32(plan.chunk_size),
-        v_split=i32(plan.v_split),
-        num_sequences=i32(cfg.num_seqs),
-        num_segments=i32(plan.num_segments),
-        phase=i32(phase),
-        kernels=i32(kernels),
-    )
+    return call(*args, **call_attributes(
+        gate_mode=cfg.gate_mode,
+        lower_bound=cfg.lower_bound,
+        scale=cfg.scale,
+        use_qk_l2norm=cfg.use_qk_l2norm,
+        use_beta_sigmoid=cfg.use_beta_sigmoid,
+        state_v_first=state_v_first,
+        has_initial_state=has_initial_state,
+        output_final_state=output_final_state,
+        varlen=varlen,
+        order_units=cfg.varlen,
+        chunk_size=plan.chunk_size,
+        v_split=plan.v_split,
+        num_sequences=cfg.num_seqs,
+        num_segments=plan.num_segments,
+        phase=phase,
+        kernels=kernels,
+    ))
+
+
+_ATTRIBUTE_TYPES = {"i32": np.int32, "f32": np.float32}  # numpy scalars: each gets an exact MLIR type
+
+
+def call_attributes(**values) -> dict:
+    """The custom call's static attributes: exactly contract.CALL_ATTRIBUTES, in its order, each a numpy
+    scalar of its type (what the FFI handler decodes by name)."""
+    names = [name for name, _ in contract.CALL_ATTRIBUTES]
+    if sorted(values) != sorted(names):
+        raise ValueError(f"custom call attributes {sorted(values)} are not contract.CALL_ATTRIBUTES {sorted(names)}")
+    return {name: _ATTRIBUTE_TYPES[kind](values[name]) for name, kind in contract.CALL_ATTRIBUTES}
 
 
 def _kernel_calls(*leaves, tree, cfg: PrefillConfig, plan: RecurrencePlan, kernels: Kernels, num_sms: int):

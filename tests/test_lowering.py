@@ -280,3 +280,67 @@ def test_a_million_token_call_exports_for_cuda_in_pieces():
     assert pieces > 1 and len(calls) >= pieces
     workspaces = [int(m) for c in calls for m in re.findall(r"tensor<(\d+)xui8>", c)]
     assert max(workspaces) < 4e9
+
+
+def _attributes(call: str) -> dict:
+    """The custom call's static attributes (name -> number) from its MLIR line."""
+    config = re.search(r"mhlo\.backend_config = \{([^}]*)\}", call).group(1)
+    return {name: float(value) if kind == "f32" else int(value)
+            for name, value, kind in re.findall(r"(\w+) = (-?[0-9.]+(?:e[+-]?[0-9]+)?) : (i32|f32)", config)}
+
+
+def test_the_handler_accepts_every_call_the_lowering_emits():
+    """Python's attributes and the C++ handler's check, on the CPU: a dense, a packed and a segmented
+    call's attributes are exactly contract.CALL_ATTRIBUTES, and the handler's check passes them all."""
+    f, specs = _call()
+    calls = _custom_calls(_lower(f, specs))
+    f, specs = _call(packed=True)
+    calls += _custom_calls(_lower(f, specs))
+    x, beta = S((2, 100, 3, 128), jnp.bfloat16), S((2, 100, 3), jnp.bfloat16)
+    calls += _custom_calls(_lower(lambda q, k, v, g, b: prefill_with_kernels(Kernels.SM90, q, k, v, g, b, num_segments=3),
+                                  [x, x, x, x, beta]))
+    assert len(calls) == 4
+    names = [name for name, _ in contract.CALL_ATTRIBUTES]
+    for call in calls:
+        attrs = _attributes(call)
+        assert sorted(attrs) == sorted(names), call
+        assert _native.load().prefill_attributes_error(attrs) == "", attrs
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(gate_mode=contract.GATE_MODE_MASK + 1), "gate_mode must be 0.."),
+    (dict(kernels=len(Kernels)), "kernels must be 0.."),
+    (dict(chunk_size=2 * contract.CHUNK), f"got chunk_size {2 * contract.CHUNK}"),
+    (dict(v_split=1), "v_split 1"),
+    (dict(order_units=1), "order_units only when packed"),
+    (dict(phase=int(Phase.SUMMARY), num_segments=2), "phase 1, varlen 0"),
+    (dict(num_segments=2), "num_segments 2, phase 0"),
+    (dict(phase=7), "phase 7"),
+])
+def test_the_handler_refuses_attributes_this_build_cannot_run(change, message):
+    """What CheckAttrs refuses at instantiation (a GPU run would fail with it), checked on the CPU: each
+    change to a valid dense call's attributes."""
+    f, specs = _call()
+    (call,) = _custom_calls(_lower(f, specs))
+    error = _native.load().prefill_attributes_error(dict(_attributes(call), **change))
+    assert message in error, error
+
+
+def test_the_handler_check_takes_exactly_the_decoded_attributes():
+    f, specs = _call()
+    attrs = _attributes(_custom_calls(_lower(f, specs))[0])
+    with pytest.raises(KeyError, match="missing attribute order_units"):
+        _native.load().prefill_attributes_error({k: v for k, v in attrs.items() if k != "order_units"})
+    with pytest.raises(ValueError, match="does not decode"):
+        _native.load().prefill_attributes_error(dict(attrs, extra=1))
+
+
+def test_call_attributes_must_be_the_contracts():
+    from jax_kda.kernel import call_attributes
+
+    values = {name: 1 for name, _ in contract.CALL_ATTRIBUTES}
+    typed = call_attributes(**values)
+    assert list(typed) == [name for name, _ in contract.CALL_ATTRIBUTES]
+    assert typed["scale"].dtype == jnp.float32 and typed["phase"].dtype == jnp.int32
+    with pytest.raises(ValueError, match="not contract.CALL_ATTRIBUTES"):
+        call_attributes(**values, extra=1)
