@@ -541,6 +541,48 @@ def render_bytes_per_token_head() -> str:
     return "\n".join(lines)
 
 
+def kernel_bytes(case: str) -> dict[str, int] | None:
+    """The fewest bytes each kernel of an unsegmented call of `case` moves to and from HBM: prepare
+    reads q, k, g, beta and writes the workspace (contract.WORKSPACE_BYTES_PER_ROW a chunk-head); the
+    recurrence reads the workspace once, v and the initial states, writes o and the final states.
+    None for a case `workload` does not know."""
+    from jax_kda import contract
+
+    try:
+        w = workload(case)
+    except ValueError:
+        return None
+    t, h, hv, d = w.total_tokens, w.heads, w.num_v_heads, contract.HEAD_DIM
+    size = jnp.dtype(w.dtype).itemsize
+    g_size = jnp.dtype(w.g_dtype).itemsize if w.g_dtype else size
+    beta_size = jnp.dtype(w.beta_dtype).itemsize if w.beta_dtype else size
+    workspace = chunk_heads(case) * contract.WORKSPACE_BYTES_PER_ROW
+    sequences = len(w.seqlens) if w.seqlens is not None else w.batch
+    state = sequences * hv * d * d * 4
+    return {
+        "prepare": t * (2 * h * d * size + hv * d * g_size + hv * beta_size) + workspace,
+        "recurrence": workspace + 2 * t * hv * d * size + state * (int(w.initial_state) + int(w.output_final_state)),
+    }
+
+
+def render_kernel_bandwidth(rows: list[dict]) -> str | None:
+    """Per unsegmented case: each kernel's fewest bytes (`kernel_bytes`) and the rate its measured time
+    gives them, against the copy bandwidth (COPY_BANDWIDTH); None without per-kernel times."""
+    head = ["case", "prepare MB", "prepare TB/s", "of copy", "recurrence MB", "recurrence TB/s", "of copy"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        parts, moved = r.get("kernels"), kernel_bytes(r["case"])
+        if not parts or not moved or r.get("plan", {}).get("num_segments", 1) != 1:
+            continue
+        rate = {k: moved[k] / (parts[k] * 1e-6) / 1e12 if parts.get(k) else None for k in moved}
+        cells = [r["case"]]
+        for kind in ("prepare", "recurrence"):
+            cells += [f"{moved[kind] / 1e6:.0f}", _fmt(rate[kind], ".2f"),
+                      _fmt(None if rate[kind] is None else rate[kind] * 1e12 / COPY_BANDWIDTH, ".0%")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else None
+
+
 def render_agreement(rows: list[dict]) -> str | None:
     """The agreement table (err_ratio of each peer's o and final state against jax_kda's)."""
     peers = [(p, label) for p, label in PEER_LABELS.items() if any(r.get(f"{p}_err_o") is not None for r in rows)]
@@ -732,6 +774,14 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
                   "together, and where prepare's share is large no recurrence alone can close the gap.", "",
                   per_chunk, ""]
     lines += ["## Bytes moved per token-head", "", render_bytes_per_token_head(), ""]
+    bandwidth = render_kernel_bandwidth(rows)
+    if bandwidth:
+        lines += ["Per call (unsegmented cases): the fewest bytes each kernel moves, the inputs and the workspace "
+                  "for prepare, the workspace once, v, o and the fp32 states for the recurrence, and the rate its "
+                  f"measured time gives them, against the {COPY_BANDWIDTH / 1e12:.1f} TB/s of a device-to-device "
+                  "copy. A kernel near that rate can only go faster by moving fewer bytes; where two CTAs of the "
+                  "recurrence share an SM, each V slice's CTA reading the workspace at its own pace, part of it "
+                  "comes from HBM twice (not counted here).", "", bandwidth, ""]
     agreement = render_agreement(rows)
     if agreement:
         lines += ["## Agreement (checked before timing)", "",

@@ -89,6 +89,35 @@ def test_gpu_time_per_chunk_and_the_goal_budget():
     assert "## GPU time per chunk" not in harness.render_report(rows, dict(meta, sms=None))
 
 
+def test_kernel_bytes_and_the_rate_they_give():
+    # h32_128x128: 16384 tokens, 32 heads, 128 sequences of 8 chunks; bf16 q, k, v, g, beta, fp32 states
+    # in and out. Prepare: q, k 2 x 128 x 2 B, g 128 x 2 B, beta 2 B a token-head, then the workspace
+    # (14336 B a chunk-head); the recurrence: the workspace, v and o (2 x 256 B a token-head), and
+    # 2 x 128 x 32 states of 64 KiB.
+    th, ch = 16384 * 32, 128 * 8 * 32
+    moved = harness.kernel_bytes("h32_128x128")
+    assert moved == {"prepare": th * (512 + 256 + 2) + ch * 14336,
+                     "recurrence": ch * 14336 + th * 512 + 2 * 128 * 32 * 128 * 128 * 4}
+    # fp32 g and beta: 256 + 2 B more a token-head for prepare, the recurrence unchanged.
+    f32 = harness.kernel_bytes("h96_fixed8k_f32gates")
+    bf16 = harness.kernel_bytes("h96_fixed8k")
+    assert f32["prepare"] - bf16["prepare"] == 8192 * 96 * (256 + 2) and f32["recurrence"] == bf16["recurrence"]
+    assert harness.kernel_bytes("not_a_case") is None
+
+    def row(case, prepare, recurrence, segments=1):
+        return dict(case=case, plan=dict(num_segments=segments),
+                    kernels=dict(prepare=prepare, recurrence=recurrence, combine=0.0, other=0.0))
+
+    rows = [row("h32_128x128", 283.0, 339.0), row("h12_fixed8k", 57.0, 141.0, segments=8)]
+    text = harness.render_kernel_bandwidth(rows)
+    rec = moved["recurrence"]
+    prep = moved["prepare"]
+    assert (f"| h32_128x128 | {prep / 1e6:.0f} | {prep / 283e-6 / 1e12:.2f} | {prep / 283e-6 / harness.COPY_BANDWIDTH:.0%} | "
+            f"{rec / 1e6:.0f} | {rec / 339e-6 / 1e12:.2f} | {rec / 339e-6 / harness.COPY_BANDWIDTH:.0%} |") in text
+    assert "h12_fixed8k" not in text  # segmented: the recurrence runs twice, not modelled
+    assert harness.render_kernel_bandwidth([row("h12_fixed8k", 57.0, 141.0, segments=8)]) is None
+
+
 def test_redraw_draws_the_report_again_from_results_json(tmp_path):
     """`bench_prefill.py --redraw`: table.md and the report from OUT/results.json, nothing timed: the
     same text as the run's own write_all, the plot left alone."""
