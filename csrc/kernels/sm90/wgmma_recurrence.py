@@ -93,8 +93,9 @@ class WgmmaRecurrence(ChunkRecurrence):
                 s_kw: cute.Tensor, s_qd: cute.Tensor, s_kr: cute.Tensor, s_mqk: cute.Tensor,
                 s_v: cute.Tensor, s_whi: cute.Tensor, s_wlo: cute.Tensor, s_dec: cute.Tensor, s_out: cute.Tensor, initial_state: cute.Tensor, o: cute.Tensor,
                 final_state: cute.Tensor, flags: Int32, tidx: Int32, seq: Int32, hv: Int32,
-                v_slice: Int32, bos: Int32, eos: Int32, num_chunks: Int32):
-        """The MMA warpgroup: the serial walk over the chunks (warpgroup MMAs)."""
+                v_slice: Int32, bos: Int32, eos: Int32, num_chunks: Int32, state=None):
+        """The MMA warpgroup: the serial walk over one unit's chunks (warpgroup MMAs), on the pipeline
+        from `state` (None: from the start); returns the pipeline state after them."""
         thr_tok = mma_tok.get_slice(tidx)
         thr_state = mma_state.get_slice(tidx)
         # B operand views of every stage.
@@ -125,7 +126,8 @@ class WgmmaRecurrence(ChunkRecurrence):
         load_state(acc_s, crd_s, initial_state, flags, seq, hv, v_slice, self.summary)
         last_valid = eos - bos - (num_chunks - 1) * CHUNK  # tokens in the last chunk
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        if cutlass.const_expr(state is None):  # a unit of its own; else the pipeline goes on from `state`
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(num_chunks, unroll=1):
             loads.consumer_wait(state)
             stage = state.index
@@ -187,3 +189,4 @@ class WgmmaRecurrence(ChunkRecurrence):
                 store_output(acc_o, s_out, o, c, tidx, hv, v_slice, bos, eos)
 
         store_state(acc_s, crd_s, final_state, flags, seq, hv, v_slice, self.summary)
+        return state
