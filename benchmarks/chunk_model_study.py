@@ -2,9 +2,12 @@
 
     python benchmarks/chunk_model_study.py [--seeds 3]
 
-The recurrence's serial steps are one per chunk; 32-token chunks would halve them. This prints, for
-the kernels' design (16-token chunks, kr in bf16) and the studied ones (32-token chunks, kr in bf16 or
-in fp16 with a per-token power-of-two scale: tests/kda_chunk_model.py KR_FORMATS), the worst o and
+The recurrence's serial steps are one per chunk; 32-token chunks would halve them, and a recurrence one
+chunk ahead (tests/kda_chunk_model.py `lookahead_chunk`) would take the state update off each step's
+chain. This prints, for the kernels' design (16-token chunks, kr in bf16, the serial recurrence) and the
+studied ones (32-token chunks, kr in bf16 or in fp16 with a per-token power-of-two scale:
+tests/kda_chunk_model.py KR_FORMATS; the lookahead recurrence, its 16 x 16 cross products in bf16 or
+as hi + lo pairs), the worst o and
 final-state err_ratio over seeds of each case of tests/test_kernel_algorithm.py that runs long enough
 to hold two or more 32-token chunks (with and without the in-kernel l2 norm, raw keys scaled by
 1/sqrt(K) as the test does), then the same for keys far below fp16's normal range (x 1e-4, x 1e-6,
@@ -29,14 +32,22 @@ import kda_chunk_model as model  # noqa: E402
 import test_kernel_algorithm as tka  # noqa: E402
 
 # (tokens a chunk, kr storage, pair products: over the whole chunk, or by 16-token halves plus the
-# cross block; tests/kda_chunk_model.py KR_FORMATS, PAIR_PRODUCTS). The first is the kernels'.
-DESIGNS = ((16, "bf16", "chunk"), (32, "bf16", "chunk"), (32, "fp16_scaled", "chunk"),
-           (32, "fp16_scaled", "halves"))
+# cross block, the recurrence: serial or one chunk ahead; tests/kda_chunk_model.py KR_FORMATS,
+# PAIR_PRODUCTS, RECURRENCES). The first is the kernels'.
+DESIGNS = ((16, "bf16", "chunk", "serial"), (32, "bf16", "chunk", "serial"), (32, "fp16_scaled", "chunk", "serial"),
+           (32, "fp16_scaled", "halves", "serial"), (16, "bf16", "chunk", "lookahead"),
+           (16, "bf16", "chunk", "lookahead_hi_lo"))
 
 
 def label(design):
-    chunk, kr_format, pairs = design
-    return f"C={chunk} kr {kr_format}" + (" by halves" if pairs == "halves" else "")
+    chunk, kr_format, pairs, recurrence = design
+    return (f"C={chunk} kr {kr_format}" + (" by halves" if pairs == "halves" else "")
+            + ("" if recurrence == "serial" else f" {recurrence.replace('_', ' ')}"))
+
+
+def design_args(design):
+    chunk, kr_format, pairs, recurrence = design
+    return dict(chunk=chunk, kr_format=kr_format, pair_products=pairs, recurrence=recurrence)
 
 
 def errors(case_args, seed, l2, design, key_scale=None, gold_cache=None):
@@ -55,9 +66,7 @@ def errors(case_args, seed, l2, design, key_scale=None, gold_cache=None):
     if key not in gold_cache:
         gold_cache[key] = tka.token_recurrence_f64(*args, initial_state=case["initial_state"], **flags)
     o_gold, s_gold = gold_cache[key]
-    chunk, kr_format, pairs = design
-    o, s = model.chunked_prefill(*args, initial_state=case["initial_state"], chunk=chunk, kr_format=kr_format,
-                                 pair_products=pairs, **flags)
+    o, s = model.chunked_prefill(*args, initial_state=case["initial_state"], **design_args(design), **flags)
     return tka.err_ratio(o, o_gold), tka.err_ratio(s, s_gold)
 
 
@@ -77,7 +86,7 @@ def main() -> None:
     long_memory = next(c for c in tka.CASES if c[0] == "preact_long_memory")
     for key_scale in (1e-4, 1e-6):
         cells = []
-        for design in DESIGNS + ((32, "fp16", "chunk"),):
+        for design in DESIGNS + ((32, "fp16", "chunk", "serial"),):
             worst = np.max([errors(long_memory, s, False, design, key_scale, gold) for s in seeds], axis=0)
             cells.append(f"{label(design)}: {worst[0]:.2e} / {worst[1]:.2e}")
         print(f"preact_long_memory, keys x {key_scale:g}, no l2 norm, no initial state | " + " | ".join(cells))
@@ -87,11 +96,11 @@ def main() -> None:
         worst, fast = [0.0, 0.0], []
         for s in seeds:
             args, flags, init = tka.saturated_lower_bound_case(np.random.default_rng(s))
-            design_args = dict(chunk=design[0], kr_format=design[1], pair_products=design[2])
             o_gold, s_gold = tka.token_recurrence_f64(*args, initial_state=init, **flags)
-            o, st = model.chunked_prefill(*args, initial_state=init, **design_args, **flags)
+            o, st = model.chunked_prefill(*args, initial_state=init, **design_args(design), **flags)
             worst = np.maximum(worst, (tka.err_ratio(o, o_gold), tka.err_ratio(st, s_gold)))
-            fast += tka.fast_path_per_chunk(args, flags, **design_args)
+            fast += tka.fast_path_per_chunk(args, flags, chunk=design[0], kr_format=design[1],
+                                            pair_products=design[2])
         print(f"lower bound saturated (-5 a token) on half the channels | {label(design)}: "
               f"{worst[0]:.2e} / {worst[1]:.2e}, pair products on the fast path in {np.mean(fast):.0%} of the chunks")
 

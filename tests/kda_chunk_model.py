@@ -240,13 +240,56 @@ def normalize(x):
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(1e-6))
 
 
+def lookahead_chunk(state, u_prev, ops_prev, ops, cross="bf16"):
+    """One chunk of the lookahead recurrence (a design, not built): chunk c + 1's products taken from
+    the decayed state of chunk c, A = decay_c * S_c, and chunk c's U, instead of from S_{c+1}:
+
+        S_{c+1} = A + kr_c^T U_c                  (as today, fp32)
+        U_{c+1} = vw + neg_kw A + (neg_kw kr_c^T) U_c
+        O_{c+1} = qd A + (qd kr_c^T) U_c + mqk U_{c+1}
+
+    so that U_{c+1} no longer waits for the state update of chunk c (the serial chain per chunk
+    holds one MMA round trip instead of two). The two 16 x 16 cross products are formed on chip from
+    bf16 operands in fp32, then enter their MMA as bf16 (`cross` "bf16") or as a hi + lo pair
+    ("hi_lo"); U_c as its hi + lo pair, as today. `state` is S_c, `u_prev` U_c (fp32), `ops_prev`
+    chunk c's operands; returns (o, S_{c+1}, U_{c+1})."""
+    a = ops_prev["decay"][:, None] * state
+    a_bf = bf16_round(a)
+    up_hi = bf16_round(u_prev)
+    up_lo = bf16_round(u_prev - up_hi)
+    kr_prev = ops_prev["kr"]
+
+    def cross_product(x):
+        m = (x @ kr_prev.T).astype(np.float32)
+        hi = bf16_round(m)
+        if cross == "bf16":
+            return hi @ up_hi + hi @ up_lo
+        lo = bf16_round(m - hi)
+        return hi @ up_hi + hi @ up_lo + lo @ up_hi
+
+    u = ops["vw"] + ops["neg_kw"] @ a_bf + cross_product(ops["neg_kw"])
+    u_hi = bf16_round(u)
+    u_lo = bf16_round(u - u_hi)
+    o = ops["qd"] @ a_bf + cross_product(ops["qd"]) + ops["mqk"] @ u_hi + ops["mqk"] @ u_lo
+    new_state = a + kr_prev.T @ up_hi + kr_prev.T @ up_lo
+    return bf16_round(o[: ops["n"]]), new_state.astype(np.float32), u.astype(np.float32)
+
+
+RECURRENCES = ("serial", "lookahead", "lookahead_hi_lo")
+
+
 def chunked_prefill(q, k, v, g, beta, *, scale, initial_state=None, gate_mode=GATE_PREACTIVATED,
                     a_log=None, dt_bias=None, lower_bound=-5.0, use_qk_l2norm=False,
-                    use_beta_sigmoid=False, chunk=CHUNK, kr_format="bf16", pair_products="chunk"):
+                    use_beta_sigmoid=False, chunk=CHUNK, kr_format="bf16", pair_products="chunk",
+                    recurrence="serial"):
     """Model of the kernels for one sequence. q, k [T, H, K]; v, g [T, HV, *]; beta [T, HV];
     initial_state [HV, K, V]. Returns o [T, HV, V] and the final state [HV, K, V] (fp32).
-    `chunk`, `kr_format` and `pair_products` default to the kernels'; other values model designs
-    not built."""
+    `chunk`, `kr_format`, `pair_products` and `recurrence` default to the kernels'; other values
+    model designs not built (`recurrence`: RECURRENCES, "lookahead*" is `lookahead_chunk`)."""
+    if recurrence not in RECURRENCES:
+        raise ValueError(f"recurrence {recurrence!r} not in {RECURRENCES}")
+    if recurrence != "serial" and kr_format != "bf16":
+        raise ValueError("the lookahead recurrence is modelled with bf16 kr only")
     t_len, h_q, kdim = q.shape
     hv_count, vdim = v.shape[1], v.shape[2]
     group = hv_count // h_q
@@ -265,11 +308,28 @@ def chunked_prefill(q, k, v, g, beta, *, scale, initial_state=None, gate_mode=GA
                         np.float32(lower_bound))
         state = (np.zeros((kdim, vdim), np.float32) if initial_state is None
                  else initial_state[hv].astype(np.float32))
+        ops_prev = u_prev = None
         for c0 in range(0, t_len, chunk):
             c1 = min(c0 + chunk, t_len)
             ops = prepare_chunk(qh[c0:c1], kh[c0:c1], v[c0:c1, hv].astype(np.float32),
                                 g2[c0:c1], bh[c0:c1], np.float32(scale), chunk=chunk, kr_format=kr_format,
                                 pair_products=pair_products)
-            o[c0:c1, hv], state = recurrence_chunk(state, ops)
+            if recurrence == "serial":
+                o[c0:c1, hv], state = recurrence_chunk(state, ops)
+                continue
+            if ops_prev is None:  # the first chunk: from the initial state, as the serial walk
+                s_bf = bf16_round(state)
+                u_prev = (ops["vw"] + ops["neg_kw"] @ s_bf).astype(np.float32)
+                u_hi = bf16_round(u_prev)
+                u_lo = bf16_round(u_prev - u_hi)
+                o[c0:c1, hv] = bf16_round((ops["qd"] @ s_bf + ops["mqk"] @ u_hi + ops["mqk"] @ u_lo)[: ops["n"]])
+            else:
+                o[c0:c1, hv], state, u_prev = lookahead_chunk(
+                    state, u_prev, ops_prev, ops, cross="hi_lo" if recurrence == "lookahead_hi_lo" else "bf16")
+            ops_prev = ops
+        if recurrence != "serial" and ops_prev is not None:  # the last chunk's state update
+            u_hi = bf16_round(u_prev)
+            state = (ops_prev["decay"][:, None] * state + ops_prev["kr"].T @ u_hi
+                     + ops_prev["kr"].T @ bf16_round(u_prev - u_hi)).astype(np.float32)
         final[hv] = state
     return o, final

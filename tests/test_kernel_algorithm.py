@@ -160,6 +160,29 @@ def test_fp16_scaled_kr_at_32_token_chunks_keeps_the_bar_and_beats_bf16_kr(key_s
     assert e_s < 0.75 * errors["bf16"][1], errors
 
 
+@pytest.mark.parametrize("recurrence", ["lookahead", "lookahead_hi_lo"])
+@pytest.mark.parametrize("t_len", [256, 250])
+def test_lookahead_recurrence_keeps_the_bar(recurrence, t_len):
+    """A studied design, not built (benchmarks/chunk_model_study.py): the recurrence one chunk ahead
+    (kda_chunk_model.lookahead_chunk), whose chunk c + 1 takes its products from chunk c's decayed
+    state and U, meets the kernels' long-memory accuracy (a partial last chunk too); with its cross
+    products as hi + lo pairs it stays within 5 % of the serial walk's errors on the same inputs."""
+    case = make_case(np.random.default_rng(), t_len, 1, 2, model.GATE_PREACTIVATED, long_memory=True)
+    flags = dict(scale=K ** -0.5, gate_mode=model.GATE_PREACTIVATED, a_log=case["a_log"],
+                 dt_bias=case["dt_bias"], lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
+    args = (case["q"], case["k"], case["v"], case["g"], case["beta"])
+    o_gold, final_gold = token_recurrence_f64(*args, initial_state=case["initial_state"], **flags)
+    errors = {}
+    for walk in ("serial", recurrence):
+        o, final = model.chunked_prefill(*args, initial_state=case["initial_state"], recurrence=walk, **flags)
+        errors[walk] = err_ratio(o, o_gold), err_ratio(final, final_gold)
+        print(f"{walk}: err_ratio o={errors[walk][0]:.2e} state={errors[walk][1]:.2e}")
+    e_o, e_s = errors[recurrence]
+    assert e_o <= LONG_MEMORY_O_BAR and e_s <= LONG_MEMORY_STATE_BAR, errors
+    if recurrence == "lookahead_hi_lo":
+        assert e_o <= 1.05 * errors["serial"][0] and e_s <= 1.05 * errors["serial"][1], errors
+
+
 def saturated_lower_bound_case(rng, t_len=256):
     """((q, k, v, g, beta), flags, initial_state) of one head whose lower-bound gate is saturated
     (-5 a token, ln) on the first half of the channels and random on the rest."""
