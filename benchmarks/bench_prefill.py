@@ -20,7 +20,13 @@ own in the same machine visit, with the same build, and merged into the table:
 
 `--peers-only` times only the peers (jax_kda runs each case once, untimed, for the comparison of
 outputs); `--peer-results` takes their rows when the build, the GPU (its UUID) and the day match, and the
-report names that command beside its own.
+report names that command beside its own. A peers-only run of the same visit may also come after the
+main run: `--redraw --peer-results` merges it into the saved rows (same checks; the report names the
+merge command too, and the plot is drawn again where matplotlib imports):
+
+    python benchmarks/bench_prefill.py --no-fla --xla --out OUT --report REPORT                 # jax_kda, FlashKDA
+    python benchmarks/bench_prefill.py --peers-only --no-flashkda --out /tmp/fla                # FLA, same visit
+    python benchmarks/bench_prefill.py --redraw --peer-results /tmp/fla/peers.json --out OUT --report REPORT
 
 `--redraw` times nothing: it draws OUT/table.md and the report again from OUT/results.json (the
 same run's rows; their derived figures, such as the ratios, recomputed), after a change to how they
@@ -306,13 +312,25 @@ def write_all(args, rows: list[dict], meta: dict) -> str:
 def redraw(args) -> str:
     """--redraw: OUT/table.md and the --report page drawn again from OUT/results.json, the same run's
     rows and facts, and the rows' derived figures in results.json recomputed from their measured ones
-    (nothing timed, the plot kept); returns the table."""
+    (nothing timed, the plot kept); returns the table. With --peer-results, the peers-only runs are
+    merged into the saved rows first (same build, GPU and day, as at run time), and the plot is drawn
+    again where matplotlib imports: so a peer that autotunes for minutes may be timed after the main
+    run of the visit, not only before it."""
     path = args.out / "results.json"
     if not path.is_file():
         raise SystemExit(f"--redraw: no {path} (a run's --out folder holds one)")
     saved = json.loads(path.read_text())
+    rows = saved.pop("rows")
+    if args.peer_results:
+        try:
+            rows, saved = harness.merge_saved_peer_runs(rows, saved, [json.loads(p.read_text()) for p in args.peer_results],
+                                                        harness.run_command())
+        except harness.PeerRunMismatch as e:
+            raise SystemExit(f"--peer-results: {e}") from None
     # The derived figures (ratios, a peer's table time) follow the current rules: written back too.
-    rows = [harness.with_ratios(r) for r in saved.pop("rows")]
+    rows = [harness.with_ratios(r) for r in rows]
+    if args.peer_results and harness.write_plot(rows, args.out / "prefill.png", saved["device"]):
+        saved["plot"] = True
     path.write_text(json.dumps(dict(saved, rows=rows), indent=1) + "\n")
     table = harness.render_table(rows)
     (args.out / "table.md").write_text(table + "\n")

@@ -252,6 +252,43 @@ def test_bench_merges_a_peers_only_run_into_its_table_and_report(tmp_path):
     assert "(1 case, each peer's outputs compared" in report.read_text()
 
 
+def test_redraw_merges_peers_only_runs_timed_after_the_main_run(tmp_path):
+    """`--redraw --peer-results`: a peers-only run of the same build, GPU and day, timed after the main
+    run, fills the FLA column of results.json, table.md and the report, which names the merge command
+    beside the run's own; a second merge keeps the first's runs; one of another day is refused and
+    leaves results.json as it was."""
+    rows, meta = _main_run()
+    meta["peers"] = ["flashkda"]
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(dict(meta, rows=rows)))
+    report = tmp_path / "REPORT.md"
+    first, second = tmp_path / "fla1.json", tmp_path / "fla2.json"
+    first.write_text(json.dumps(_peer_run(cases=("h96_fixed8k",), us=2700.0)))
+    second.write_text(json.dumps(_peer_run(cases=("h64_fixed8k",), us=1800.0)))
+    done = _bench("--redraw", "--peer-results", str(first), "--out", str(out), "--report", str(report))
+    assert done.returncode == 0, done.stderr
+    done = _bench("--redraw", "--peer-results", str(second), "--out", str(out), "--report", str(report))
+    assert done.returncode == 0, done.stderr
+    saved = json.loads((out / "results.json").read_text())
+    assert [r.get("fla_us") for r in saved["rows"]] == [2700.0, 1800.0]
+    assert [r["flashkda_us"] for r in saved["rows"]] == [1416.0, 1416.0]  # the run's own peer, untouched
+    assert [run["cases"] for run in saved["peer_runs"]] == [["h96_fixed8k"], ["h64_fixed8k"]]
+    assert saved["versions"]["fla-core"] == "0.6.0" and len(saved["merge_commands"]) == 2
+    assert "| h96_fixed8k | 8192 | 96 | 2 / 1 | 834 | 1416 | 2700 | 1.70x | 3.24x |" in (out / "table.md").read_text()
+    text = report.read_text()
+    assert text.count("- Merged into this run's rows after it (nothing timed): `python ") == 2
+    reproduce = text.split("## Reproduce")[1]
+    assert reproduce.index(meta["command"]) < reproduce.index(f"--peer-results {second}")
+
+    before = (out / "results.json").read_text()
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps(_peer_run(date="2026-12-03")))
+    done = _bench("--redraw", "--peer-results", str(stale), "--out", str(out))
+    assert done.returncode != 0 and "--peer-results: peers-only run" in done.stderr and "another day" in done.stderr
+    assert (out / "results.json").read_text() == before
+
+
 def test_a_peers_table_time_is_the_smaller_of_its_device_and_wall_time():
     """The profiler can widen an eager peer's device span past its wall time: the table, the ratio, the
     goal's budget and results.json's `*_best_us` take the smaller; jax_kda keeps its device time."""
