@@ -28,9 +28,9 @@ merge command too, and the plot is drawn again where matplotlib imports):
     python benchmarks/bench_prefill.py --peers-only --no-flashkda --out /tmp/fla                # FLA, same visit
     python benchmarks/bench_prefill.py --redraw --peer-results /tmp/fla/peers.json --out OUT --report REPORT
 
-`--redraw` times nothing: it draws OUT/table.md and the report again from OUT/results.json (the
-same run's rows; their derived figures, such as the ratios, recomputed), after a change to how they
-are drawn, with no GPU:
+`--redraw` times nothing: it draws OUT/table.md, the report and (where matplotlib imports) the plot
+again from OUT/results.json (the same run's rows; their derived figures, such as the floors and
+ratios, recomputed), after a change to how they are drawn, with no GPU:
 
     python benchmarks/bench_prefill.py --redraw --out benchmarks/results/h200 --report benchmarks/BENCHMARK_H200.md
 
@@ -229,7 +229,7 @@ def time_jax(inputs: harness.InputSets, backend: str, reps: int) -> dict:
 XLA_SETS = 2  # input sets per timed XLA-path program
 
 
-def run_case(w: Workload, args, rng) -> dict:
+def run_case(w: Workload, args, rng, bandwidth: float) -> dict:
     inputs = harness.input_sets(w, rng, args.sets)
     decision = jax_kda.explain(*inputs.args, **inputs.kwargs, backend=args.backend)
     plan = decision.plan if decision.backend != "xla" else None  # the kernels' plan, when they run
@@ -237,7 +237,7 @@ def run_case(w: Workload, args, rng) -> dict:
                sets=len(inputs), backend=decision.backend,
                plan=None if plan is None else dict(v_split=plan.v_split, num_segments=plan.num_segments,
                                                    segment_len=plan.segment_len, chunk=plan.chunk_size),
-               hbm_floor_us=harness.hbm_floor_us(w))
+               hbm_floor_us=harness.hbm_floor_us(w, bandwidth))
     print(f"{w.name}: {decision}", flush=True)
 
     o, state = jax_kda.prefill(*inputs.args, **inputs.kwargs, backend=args.backend)  # compared with the peers
@@ -312,10 +312,10 @@ def write_all(args, rows: list[dict], meta: dict) -> str:
 def redraw(args) -> str:
     """--redraw: OUT/table.md and the --report page drawn again from OUT/results.json, the same run's
     rows and facts, and the rows' derived figures in results.json recomputed from their measured ones
-    (nothing timed, the plot kept); returns the table. With --peer-results, the peers-only runs are
-    merged into the saved rows first (same build, GPU and day, as at run time), and the plot is drawn
-    again where matplotlib imports: so a peer that autotunes for minutes may be timed after the main
-    run of the visit, not only before it."""
+    (nothing timed; the plot drawn again where matplotlib imports, else kept); returns the table. With
+    --peer-results, the peers-only runs are merged into the saved rows first (same build, GPU and day,
+    as at run time): so a peer that autotunes for minutes may be timed after the main run of the
+    visit, not only before it."""
     path = args.out / "results.json"
     if not path.is_file():
         raise SystemExit(f"--redraw: no {path} (a run's --out folder holds one)")
@@ -327,9 +327,11 @@ def redraw(args) -> str:
                                                         harness.run_command())
         except harness.PeerRunMismatch as e:
             raise SystemExit(f"--peer-results: {e}") from None
-    # The derived figures (ratios, a peer's table time) follow the current rules: written back too.
-    rows = [harness.with_ratios(r) for r in rows]
-    if args.peer_results and harness.write_plot(rows, args.out / "prefill.png", saved["device"]):
+    # The derived figures (floors, ratios, a peer's table time) follow the current rules: written back too.
+    rows = [harness.with_ratios(harness.with_floor(r, saved)) for r in rows]
+    if saved.get("method"):
+        saved["method"] = harness.with_current_floor_sentence(saved["method"])
+    if harness.write_plot(rows, args.out / "prefill.png", saved["device"]):
         saved["plot"] = True
     path.write_text(json.dumps(dict(saved, rows=rows), indent=1) + "\n")
     table = harness.render_table(rows)
@@ -391,6 +393,9 @@ def main():
         raise SystemExit("--peers-only: no peer to time (see above why each is not)")
     meta = harness.run_metadata(args.commit)
     meta["peers"] = timed_peers
+    # This GPU's copy bandwidth, measured here before anything else runs: the floors and rates use it.
+    meta["copy_bandwidth"] = harness.measure_copy_bandwidth()
+    bandwidth, source = harness.copy_bandwidth(meta)
     if args.flashkda:
         meta["versions"]["flash_kda"] = harness.package_version("flash_kda") or "source build"
     if peer_runs:
@@ -402,12 +407,13 @@ def main():
         for run in peer_runs:
             meta["versions"].update({k: v for k, v in run["meta"].get("versions", {}).items()
                                      if k not in meta["versions"]})
-    print(f"jax_kda build {meta['commit']} on {meta['device']}, {meta['date']}", flush=True)
+    print(f"jax_kda build {meta['commit']} on {meta['device']}, {meta['date']}; copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s ({source})", flush=True)
     rng = np.random.default_rng()
     rows = []
     table = ""
     for w in cases:
-        row = run_case(w, args, rng)
+        row = run_case(w, args, rng, bandwidth)
         rows.append(row)
         print(json.dumps(row), flush=True)
         # Written after every case, so that a run cut short keeps what it measured.

@@ -1,6 +1,7 @@
 """benchmarks/harness.py's report parts that need no GPU: the clock sentence under the table, the
 GPU settings line, the goals and the GPU time per chunk."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -109,22 +110,57 @@ def test_kernel_bytes_and_the_rate_they_give():
                     kernels=dict(prepare=prepare, recurrence=recurrence, combine=0.0, other=0.0))
 
     rows = [row("h32_128x128", 283.0, 339.0), row("h12_fixed8k", 57.0, 141.0, segments=8)]
-    text = harness.render_kernel_bandwidth(rows)
+    text = harness.render_kernel_bandwidth(rows, 4.3e12)
     rec = moved["recurrence"]
     prep = moved["prepare"]
-    assert (f"| h32_128x128 | {prep / 1e6:.0f} | {prep / 283e-6 / 1e12:.2f} | {prep / 283e-6 / harness.COPY_BANDWIDTH:.0%} | "
-            f"{rec / 1e6:.0f} | {rec / 339e-6 / 1e12:.2f} | {rec / 339e-6 / harness.COPY_BANDWIDTH:.0%} |") in text
+    assert (f"| h32_128x128 | {prep / 1e6:.0f} | {prep / 283e-6 / 1e12:.2f} | {prep / 283e-6 / 4.3e12:.0%} | "
+            f"{rec / 1e6:.0f} | {rec / 339e-6 / 1e12:.2f} | {rec / 339e-6 / 4.3e12:.0%} |") in text
     assert "h12_fixed8k" not in text  # segmented: the recurrence runs twice, not modelled
-    assert harness.render_kernel_bandwidth([row("h12_fixed8k", 57.0, 141.0, segments=8)]) is None
+    assert harness.render_kernel_bandwidth([row("h12_fixed8k", 57.0, 141.0, segments=8)], 4.3e12) is None
+
+
+def test_copy_bandwidth_is_the_runs_own_else_its_gpus_else_the_reference_gpus_said_so():
+    """The HBM floor and the kernels' rates are held to the run's GPU: its copy bandwidth measured in the
+    run, else the figure measured before on that GPU model, else the reference GPU's, and the report
+    says which; a redraw puts the floors at that figure."""
+    assert harness.copy_bandwidth(dict(device="NVIDIA H200", copy_bandwidth=4.1e12)) == (4.1e12, "measured in this run")
+    rate, source = harness.copy_bandwidth(dict(device="NVIDIA H200", copy_bandwidth=None))
+    assert rate == harness.COPY_BANDWIDTHS["NVIDIA H200"] and source.startswith("measured on the NVIDIA H200")
+    rate, source = harness.copy_bandwidth(dict(device="Some GPU"))
+    assert rate == harness.COPY_BANDWIDTHS[harness.REFERENCE_GPU] and "none measured on this device" in source
+    w = harness.workload("h96_fixed8k")
+    row = dict(case="h96_fixed8k", hbm_floor_us=1.0)
+    assert harness.with_floor(row, dict(copy_bandwidth=2e12))["hbm_floor_us"] == harness.hbm_floor_bytes(w) / 2e12 * 1e6
+    assert harness.hbm_floor_us(w, 4e12) == harness.hbm_floor_bytes(w) / 4e12 * 1e6
+    rows, meta = _main_run()
+    meta["copy_bandwidth"] = 3.25e12
+    assert "- Copy bandwidth (the HBM floor's and the kernels' rates' yardstick): 3.25 TB/s, measured in this run" \
+        in harness.render_report(rows, meta)
+    assert harness._FLOOR_SENTENCE in harness.METHOD
+    old = "HBM floor: the fewest bytes ... over 4.3 TB/s, the copy bandwidth measured on the H200. The XLA path"
+    assert harness.with_current_floor_sentence(old) == f"HBM floor: the fewest bytes ... {harness._FLOOR_SENTENCE} The XLA path"
+
+
+def test_the_700_us_goal_is_the_reference_gpus_alone():
+    """h96_fixed8k's time bound is set for the H200: another GPU's report checks the 2x FlashKDA goals
+    only, and its per-chunk budget is half of FlashKDA's time there."""
+    rows, _ = _main_run()
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert harness.goal_time_us(rows[0]) == 700.0
+    assert harness.goal_time_us(rows[0], h100) == 1416.0 / 2
+    assert "| <= 700 µs | h96_fixed8k |" in harness.render_goals(rows)
+    text = harness.render_goals(rows, h100)
+    assert "700" not in text and "| >= 2x FlashKDA (N x H >= 64) | h96_fixed8k | 1.70x | no (1.18x short) |" in text
 
 
 def test_redraw_draws_the_report_again_from_results_json(tmp_path):
     """`bench_prefill.py --redraw`: table.md and the report from OUT/results.json, nothing timed: the
-    same text as the run's own write_all, the plot left alone."""
+    same text as the run's own write_all, the plot drawn again only where matplotlib imports."""
     meta = dict(date="2026-12-03", commit="abc1234", device="NVIDIA H200", platform="gpu", sms=132,
                 versions={"jax": "0.11.2"}, command="python benchmarks/bench_prefill.py", method="how", plot=True)
+    floor = harness.hbm_floor_us(harness.workload("h96_fixed8k"), harness.COPY_BANDWIDTHS["NVIDIA H200"])
     rows = [dict(case="h96_fixed8k", tokens=8192, sequences=1, heads=96, backend="sm90", timing="device",
-                 plan=dict(v_split=2, num_segments=1, segment_len=0, chunk=16), hbm_floor_us=237.0,
+                 plan=dict(v_split=2, num_segments=1, segment_len=0, chunk=16), hbm_floor_us=floor,
                  jax_kda_us=848.0, flashkda_us=1415.0,
                  kernels=dict(prepare=416.0, recurrence=432.0, combine=0.0, other=0.0))]
     out = tmp_path / "results"
@@ -137,7 +173,8 @@ def test_redraw_draws_the_report_again_from_results_json(tmp_path):
                    check=True, capture_output=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert report.read_text() == harness.render_report(rows, meta, "results")
     assert (out / "table.md").read_text() == harness.render_table(rows) + "\n"
-    assert (out / "prefill.png").read_bytes() == b"the run's plot"
+    plot = (out / "prefill.png").read_bytes()  # drawn again where matplotlib imports, else kept
+    assert plot.startswith(b"\x89PNG") if importlib.util.find_spec("matplotlib") else plot == b"the run's plot"
     assert "| h96_fixed8k | 49152 | 1.12 | 1.16 | 0.00 | 2.28 | 1.88 | 59% |" in report.read_text()
 
 
