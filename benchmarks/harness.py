@@ -654,6 +654,27 @@ def render_kernel_bandwidth(rows: list[dict], copy_rate: float) -> str | None:
     return "\n".join(lines) if len(lines) > 2 else None
 
 
+def render_goal_bytes(rows: list[dict], copy_rate: float, device: str = REFERENCE_GPU) -> str | None:
+    """Per goal case with a known byte count (unsegmented): the kernels' fewest bytes (`kernel_bytes`,
+    both kernels), the time they take at the copy rate `copy_rate` (bytes/s; no call moving them can be
+    faster), the goal's time (`goal_time_us`), the share of the copy rate the goal asks of them, the
+    bytes the goal allows at that rate, and the share of today's bytes that must go before the goal
+    can be met at all. None without such a row."""
+    head = ["case", "kernels' bytes MB", "at the copy rate µs", "goal µs", "of the copy rate the goal asks",
+            "bytes the goal allows MB", "fewer bytes needed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        goal, moved = goal_time_us(r, device), kernel_bytes(r["case"])
+        if goal is None or not moved or r.get("plan", {}).get("num_segments", 1) != 1:
+            continue
+        total, allowed = sum(moved.values()), goal * 1e-6 * copy_rate
+        cut = 1 - allowed / total
+        need = "none" if cut <= 0 else f"{cut:.0%}" if cut >= 0.01 else f"{cut:.1%}"
+        lines.append(f"| {r['case']} | {total / 1e6:.0f} | {total / copy_rate * 1e6:.0f} | {goal:.0f} | "
+                     f"{total / allowed:.0%} | {allowed / 1e6:.0f} | {need} |")
+    return "\n".join(lines) if len(lines) > 2 else None
+
+
 def render_agreement(rows: list[dict]) -> str | None:
     """The agreement table (err_ratio of each peer's o and final state against jax_kda's)."""
     peers = [(p, label) for p, label in PEER_LABELS.items() if any(r.get(f"{p}_err_o") is not None for r in rows)]
@@ -857,6 +878,14 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
                  f" (the {GOAL_H96_FIXED8K_US:.0f} µs bound on h96_fixed8k is the {REFERENCE_GPU}'s, not applied here)")
         lines += ["## Goals", "", f"The project's performance targets on this GPU{scope}, checked against this run:",
                   "", goals, ""]
+        copy_rate = copy_bandwidth(meta)[0]
+        goal_bytes = render_goal_bytes(rows, copy_rate, device)
+        if goal_bytes:
+            lines += [f"What the goals leave for bytes: both kernels' fewest bytes per call (as in \"Bytes moved per "
+                      f"token-head\" below) at the {copy_rate / 1e12:.2f} TB/s copy rate, the least time any call "
+                      "moving them can take, against the goal's time; over 100 % of the copy rate, the goal allows fewer bytes than the "
+                      "kernels move, and no schedule or faster arithmetic meets it: the workspace hand-off must shrink "
+                      "first, by the share in the last column.", "", goal_bytes, ""]
     per_chunk = render_gpu_time_per_chunk(rows, meta.get("sms"), device)
     if per_chunk:
         lines += ["## GPU time per chunk", "",

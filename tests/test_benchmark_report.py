@@ -60,6 +60,29 @@ def test_goals_do_not_round_a_miss_up_to_the_goal():
     assert "| h96_fixed8k | 1.60x | no (1.25x short) |" in text
 
 
+def test_goal_bytes_say_how_many_bytes_a_goal_leaves():
+    """Per goal case: the kernels' fewest bytes at the copy rate against the goal's time, and the share
+    of the bytes that must go where the goal allows fewer; segmented and goal-less cases left out."""
+    def row(case, heads, ours, flashkda, sequences=1, segments=1):
+        return dict(case=case, tokens=8192, sequences=sequences, heads=heads, jax_kda_us=ours, flashkda_us=flashkda,
+                    hbm_floor_us=100.0, plan=dict(num_segments=segments))
+
+    rows = [row("h32_128x128", 32, 749.0, 1139.0, sequences=128), row("h64_fixed8k", 64, 600.0, 1250.0),
+            row("h32_fixed8k", 32, 436.0, 1013.0), row("h12_fixed8k", 12, 231.0, 857.0, segments=8)]
+    rate = 2.98e12
+    text = harness.render_goal_bytes(rows, rate, "NVIDIA H100 80GB HBM3")
+    moved = sum(harness.kernel_bytes("h32_128x128").values())
+    allowed = 1139.0 / 2 * 1e-6 * rate
+    assert (f"| h32_128x128 | {moved / 1e6:.0f} | {moved / rate * 1e6:.0f} | 570 | {moved / allowed:.0%} | "
+            f"{allowed / 1e6:.0f} | {1 - allowed / moved:.0%} |") in text
+    assert "| h64_fixed8k | " in text and text.splitlines()[-1].endswith("| none |")  # 625 µs leave room
+    assert "h32_fixed8k" not in text and "h12_fixed8k" not in text
+    assert harness.render_goal_bytes(rows[2:], rate) is None
+    rows_, meta = _main_run()
+    report = harness.render_report(rows_, meta)
+    assert "What the goals leave for bytes" in report and "at the 4.30 TB/s copy rate" in report
+
+
 def test_gpu_time_per_chunk_and_the_goal_budget():
     def row(case, heads, prepare, recurrence, flashkda=None, sequences=1):
         return dict(case=case, tokens=8192, sequences=sequences, heads=heads, jax_kda_us=prepare + recurrence,
