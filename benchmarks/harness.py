@@ -54,6 +54,8 @@ MIN_SETS, MAX_SETS = 8, 16  # input sets per timed program (enough to exceed 4x 
 PROFILED_RUNS = 3  # runs under the profiler per measurement (device time: their median)
 COMMIT_ENV = "JAX_KDA_COMMIT"  # the jax_kda build's git commit, when not given as --commit
 
+_FLOOR_SENTENCE = ("over the GPU's copy bandwidth (a device-to-device copy, bytes read + written; the report names "
+                   "the figure and where it was measured).")
 METHOD = (
     "Each implementation runs K back-to-back calls on K distinct input sets (K >= 8, and enough that the sets "
     "exceed 4x the 60 MB L2, so no call finds its inputs in cache; at most 16): jax_kda as one jitted XLA "
@@ -70,8 +72,7 @@ METHOD = (
     "longest axis. All implementations get the same arrays (torch tensors shared with JAX by DLPack), and "
     "their outputs are compared with jax_kda's (err_ratio of o and of the final state) before anything is "
     "timed. HBM floor: the fewest bytes a prefill moves (q, k, v, raw g, beta read once, o written once, "
-    "states read and written once) over the GPU's copy bandwidth (a device-to-device copy, bytes read + "
-    "written; the report names the figure and where it was measured). The XLA path "
+    f"states read and written once) {_FLOOR_SENTENCE} The XLA path "
     "(backend=\"xla\", with --xla) is timed the same way on 2 of the sets (its calls take milliseconds, so L2 "
     "plays no part; a case whose program does not fit in device memory is marked not run). GPU clock: the SM "
     f"clock, power draw and throttle reasons nvidia-smi reports every {CLOCK_INTERVAL_MS} ms during each "
@@ -234,8 +235,6 @@ def hbm_floor_us(w: Workload, bandwidth: float) -> float:
 # METHOD's HBM floor sentence in runs saved before each run measured its GPU's copy bandwidth (up to
 # 2026-12-05): it named the H200's figure whatever the GPU. A redraw states the floor as METHOD does now.
 _FLOOR_SENTENCE_BEFORE = "over 4.3 TB/s, the copy bandwidth measured on the H200."
-_FLOOR_SENTENCE = ("over the GPU's copy bandwidth (a device-to-device copy, bytes read + written; the report names "
-                   "the figure and where it was measured).")
 
 
 def with_current_floor_sentence(method: str) -> str:
@@ -816,6 +815,7 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
     versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
     gpu = meta.get("gpu")
     peer_runs = meta.get("peer_runs") or []
+    copy_rate, copy_source = copy_bandwidth(meta)
     if peer_runs:
         merged = sorted({PEER_LABELS.get(p, p) for run in peer_runs for p in run["peers"]})
         provenance += (f" The {' and '.join(merged)} column comes from a command of its own in the same machine "
@@ -831,8 +831,8 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
         *([f"- GPU settings: power limit {_fmt(gpu['power_limit_w'], '.0f', ' W')}, highest SM clock "
            f"{_fmt(gpu['max_sm_mhz'], '.0f', ' MHz')}, driver {gpu['driver']}"] if gpu else []),
         f"- Software: {versions}",
-        "- Copy bandwidth (the HBM floor's and the kernels' rates' yardstick): {:.2f} TB/s, {}".format(
-            *(lambda rate, source: (rate / 1e12, source))(*copy_bandwidth(meta))),
+        f"- Copy bandwidth (the HBM floor's and the kernels' rates' yardstick): {copy_rate / 1e12:.2f} TB/s, "
+        f"{copy_source}",
         f"- Command: `{meta['command']}`",
     ]
     for run in peer_runs:
@@ -878,7 +878,6 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
                  f" (the {GOAL_H96_FIXED8K_US:.0f} µs bound on h96_fixed8k is the {REFERENCE_GPU}'s, not applied here)")
         lines += ["## Goals", "", f"The project's performance targets on this GPU{scope}, checked against this run:",
                   "", goals, ""]
-        copy_rate = copy_bandwidth(meta)[0]
         goal_bytes = render_goal_bytes(rows, copy_rate, device)
         if goal_bytes:
             lines += [f"What the goals leave for bytes: both kernels' fewest bytes per call (as in \"Bytes moved per "
@@ -896,7 +895,6 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
                   "together, and where prepare's share is large no recurrence alone can close the gap.", "",
                   per_chunk, ""]
     lines += ["## Bytes moved per token-head", "", render_bytes_per_token_head(), ""]
-    copy_rate, copy_source = copy_bandwidth(meta)
     bandwidth = render_kernel_bandwidth(rows, copy_rate)
     if bandwidth:
         lines += ["Per call (unsegmented cases): the fewest bytes each kernel moves, the inputs and the workspace "
