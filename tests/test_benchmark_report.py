@@ -60,6 +60,27 @@ def test_goals_do_not_round_a_miss_up_to_the_goal():
     assert "| h96_fixed8k | 1.60x | no (1.25x short) |" in text
 
 
+def test_goals_name_the_goal_cases_a_run_did_not_measure():
+    """A run cut short (or one of a few cases) lists every other goal as not in the run, and a goal row
+    without FlashKDA as such, instead of leaving them out; a run that bears on no goal has none."""
+    def row(case, heads, ours, theirs=None, sequences=1):
+        return dict(case=case, tokens=8192, sequences=sequences, heads=heads, jax_kda_us=ours,
+                    flashkda_us=theirs, hbm_floor_us=100.0)
+
+    rows = [row("h64_fixed8k", 64, 557.0, 1198.0), row("h64_mixed", 64, 508.0, sequences=6),
+            row("h96_fixed8k_f32gates", 96, 855.0), row("h12_fixed8k", 12, 224.0, 867.0)]
+    text = harness.render_goals(rows)
+    assert "| >= 2x FlashKDA (N x H >= 64) | h64_fixed8k | 2.15x | yes |" in text
+    assert "| >= 2x FlashKDA (N x H >= 64) | h64_mixed | — | FlashKDA not run |" in text
+    assert "| <= 700 µs | h96_fixed8k | — | not in this run |" in text
+    assert "| >= 2x FlashKDA (N x H >= 64) | h96_fixed32k | — | not in this run |" in text
+    assert "f32gates" not in text and "h12_fixed8k" not in text  # FlashKDA has no fp32 gates; no goal at 12 heads
+    listed = [line.split(" | ")[1] for line in text.splitlines()[2:]]
+    assert sorted(set(listed)) == sorted(harness.flashkda_goal_cases())
+    assert "700" not in harness.render_goals(rows, "NVIDIA H100 80GB HBM3")
+    assert harness.render_goals(rows[3:]) is None
+
+
 def test_goal_bytes_say_how_many_bytes_a_goal_leaves():
     """Per goal case: the kernels' fewest bytes at the copy rate against the goal's time, and the share
     of the bytes that must go where the goal allows fewer; segmented and goal-less cases left out."""
