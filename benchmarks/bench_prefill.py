@@ -135,24 +135,7 @@ class FlashKda:
 
     key, label, module = "flashkda", "FlashKDA", "flash_kda"
 
-    @staticmethod
-    def unsupported(w: Workload) -> str | None:
-        reasons = []
-        if w.gate != "lower_bound":
-            reasons.append(f"gate {w.gate!r} (it has only the lower-bound gate with A_log)")
-        if not (w.l2norm and w.beta_sigmoid):
-            reasons.append("l2norm and beta sigmoid off (it always applies both)")
-        if (w.head_k, w.head_v) != (128, 128):
-            reasons.append(f"K={w.head_k}, V={w.head_v} (it needs 128)")
-        if w.num_v_heads != w.heads:
-            reasons.append("grouped value heads (it needs HV == H)")
-        if w.dtype != "bfloat16":
-            reasons.append(f"{w.dtype} inputs (it needs bfloat16)")
-        if (w.g_dtype or "bfloat16") != "bfloat16" or (w.beta_dtype or "bfloat16") != "bfloat16":
-            reasons.append("fp32 g or beta (it needs bfloat16)")
-        if not -5.0 <= w.lower_bound <= 0.0:
-            reasons.append(f"lower_bound {w.lower_bound} outside [-5, 0]")
-        return "; ".join(reasons) or None
+    unsupported = staticmethod(harness.flashkda_unsupported)
 
     @staticmethod
     def calls(torch_sets, static, w: Workload):

@@ -533,22 +533,47 @@ def goal_time_us(r: dict, device: str = REFERENCE_GPU) -> float | None:
     return min(bounds) if bounds else None
 
 
+def flashkda_unsupported(w: Workload) -> str | None:
+    """Why FlashKDA cannot run the workload (None: it can): it has only the lower-bound gate with A_log,
+    always applies l2norm and beta sigmoid, and needs K = V = 128, HV == H, bf16 inputs, g and beta."""
+    reasons = []
+    if w.gate != "lower_bound":
+        reasons.append(f"gate {w.gate!r} (it has only the lower-bound gate with A_log)")
+    if not (w.l2norm and w.beta_sigmoid):
+        reasons.append("l2norm and beta sigmoid off (it always applies both)")
+    if (w.head_k, w.head_v) != (128, 128):
+        reasons.append(f"K={w.head_k}, V={w.head_v} (it needs 128)")
+    if w.num_v_heads != w.heads:
+        reasons.append("grouped value heads (it needs HV == H)")
+    if w.dtype != "bfloat16":
+        reasons.append(f"{w.dtype} inputs (it needs bfloat16)")
+    if (w.g_dtype or "bfloat16") != "bfloat16" or (w.beta_dtype or "bfloat16") != "bfloat16":
+        reasons.append("fp32 g or beta (it needs bfloat16)")
+    if not -5.0 <= w.lower_bound <= 0.0:
+        reasons.append(f"lower_bound {w.lower_bound} outside [-5, 0]")
+    return "; ".join(reasons) or None
+
+
+def _goal_row(case: str) -> dict:
+    """What the goals read off a row (case, heads, sequences), for a case of `BENCHMARK_CASES`."""
+    w = BENCHMARK_CASES[case]
+    return dict(case=case, heads=w.heads, sequences=num_sequences(w))
+
+
 def _flashkda_can_run(case: str) -> bool:
-    """Whether FlashKDA runs the case's inputs: bf16 g and beta (it has no fp32 gates); a name
-    `workload` does not know is taken as runnable."""
+    """Whether FlashKDA runs the case (`flashkda_unsupported`); a name `workload` does not know is
+    taken as runnable."""
     try:
         w = workload(case)
     except ValueError:
         return True
-    return (w.g_dtype or "bfloat16") == "bfloat16" and (w.beta_dtype or "bfloat16") == "bfloat16"
+    return flashkda_unsupported(w) is None
 
 
 def flashkda_goal_cases() -> list[str]:
     """The benchmark cases the 2x FlashKDA goal covers: those of `BENCHMARK_CASES` that
     `_flashkda_goal_applies` to and FlashKDA can run."""
-    return [name for name, w in BENCHMARK_CASES.items()
-            if _flashkda_can_run(name) and _flashkda_goal_applies(dict(case=name, heads=w.heads,
-                                                                       sequences=num_sequences(w)))]
+    return [name for name in BENCHMARK_CASES if _flashkda_can_run(name) and _flashkda_goal_applies(_goal_row(name))]
 
 
 def _flashkda_goal_label(r: dict) -> str:
@@ -588,9 +613,7 @@ def render_goals(rows: list[dict], device: str = REFERENCE_GPU) -> str | None:
         return None
     for case in flashkda_goal_cases():
         if case not in by_case:
-            w = BENCHMARK_CASES[case]
-            label = _flashkda_goal_label(dict(case=case, heads=w.heads, sequences=num_sequences(w)))
-            missing.append(f"| {label} | {case} | — | not in this run |")
+            missing.append(f"| {_flashkda_goal_label(_goal_row(case))} | {case} | — | not in this run |")
     return "\n".join(lines + missing)
 
 
