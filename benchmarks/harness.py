@@ -67,12 +67,12 @@ METHOD = (
     "tables show wall time. Per kernel: the durations of the profiled runs' GPU activities summed by name "
     "(prepare_chunks, the recurrence, combine_segments, everything else: order_units, which orders a packed "
     "batch's sequences longest first, and XLA's own ops and copies) / K, median of the 3 runs; they need not "
-    "add up to the span (gaps, overlap). The first input set is a fresh "
-    "random draw (never zeros); the others are that set with every floating-point array rolled along its "
-    "longest axis. All implementations get the same arrays (torch tensors shared with JAX by DLPack), and "
-    "their outputs are compared with jax_kda's (err_ratio of o and of the final state) before anything is "
-    "timed. HBM floor: the fewest bytes a prefill moves (q, k, v, raw g, beta read once, o written once, "
-    f"states read and written once) {_FLOOR_SENTENCE} The XLA path "
+    "add up to the span (gaps, overlap). The first input set is a fresh random draw (never zeros), made on the "
+    "GPU by jax.random from a seed drawn fresh each run; the others are that set with every floating-point "
+    "array rolled along its longest axis. All implementations get the same arrays (torch tensors shared with "
+    "JAX by DLPack), and their outputs are compared with jax_kda's (err_ratio of o and of the final state) "
+    "before anything is timed. HBM floor: the fewest bytes a prefill moves (q, k, v, raw g, beta read once, "
+    f"o written once, states read and written once) {_FLOOR_SENTENCE} The XLA path "
     "(backend=\"xla\", with --xla) is timed the same way on 2 of the sets (its calls take milliseconds, so L2 "
     "plays no part; a case whose program does not fit in device memory is marked not run). GPU clock: the SM "
     f"clock, power draw and throttle reasons nvidia-smi reports every {CLOCK_INTERVAL_MS} ms during each "
@@ -181,9 +181,10 @@ class InputSets:
 
 
 def input_sets(w: Workload, rng: np.random.Generator, count: int | None = None) -> InputSets:
-    """The first set drawn by `testing.make_inputs`, the others derived from it on the device;
+    """The first set drawn by `testing.make_inputs` on JAX's default device (the host's numpy takes
+    about 35 ns a value, a minute for a 96-head 32K-token set), the others derived from it there;
     `count` None: `set_count` of the set's bytes."""
-    args, kwargs = make_inputs(w, rng)
+    args, kwargs = make_inputs(w, rng, on_device=True)
     k = count or set_count(input_bytes(args, kwargs))
     raw = [(args, kwargs)] + [derived_set(args, kwargs, i) for i in range(1, k)]
     sets = [(a, split_kwargs(kw)[0]) for a, kw in raw]

@@ -1,7 +1,8 @@
 """Named workloads and random inputs for them, shared by the tests, the benchmarks and the demo.
 
-`make_inputs` draws fresh random data for a `Workload` (never zeros): q/k/v normal, beta logits or
-values in (0, 1), and gates in one of the contract's forms (docs/prefill.md). The gate draws cover the hard cases: very
+`make_inputs` draws fresh random data for a `Workload` (never zeros), on the host or, for benchmark-size
+inputs, on the device: q/k/v normal, beta logits or values in (0, 1), and gates in one of the contract's
+forms (docs/prefill.md). The gate draws cover the hard cases: very
 negative pre-activated decays (down to `decay_floor` per token) and long memory (decays near 0).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -47,12 +49,56 @@ class Workload:
         return sum(self.seqlens) if self.seqlens is not None else self.batch * self.seqlen
 
 
-def make_inputs(w: Workload, rng: np.random.Generator) -> tuple[tuple, dict]:
+class _HostDraws:
+    """Draws on the host with numpy's generator (float64, cast to float32 as make_inputs says)."""
+
+    xp = np
+
+    def __init__(self, rng: np.random.Generator):
+        self._rng = rng
+
+    def normal(self, shape, scale=1.0):
+        return (scale * self._rng.standard_normal(shape)).astype(np.float32)
+
+    def uniform(self, low, high, shape):
+        return self._rng.uniform(low, high, shape)
+
+
+def _as_shape(shape) -> tuple[int, ...]:
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
+class _DeviceDraws:
+    """Draws on JAX's default device with `jax.random` (float32), keyed by a seed taken from the
+    caller's generator, so each run's inputs are as fresh as the host's; a benchmark's gigabytes of
+    inputs take milliseconds this way instead of numpy's tens of seconds."""
+
+    xp = jnp
+
+    def __init__(self, rng: np.random.Generator):
+        self._key = jax.random.key(int(rng.integers(2**31)))
+
+    def _next_key(self):
+        self._key, key = jax.random.split(self._key)
+        return key
+
+    def normal(self, shape, scale=1.0):
+        return scale * jax.random.normal(self._next_key(), _as_shape(shape), jnp.float32)
+
+    def uniform(self, low, high, shape):
+        return jax.random.uniform(self._next_key(), _as_shape(shape), jnp.float32, low, high)
+
+
+def make_inputs(w: Workload, rng: np.random.Generator, *, on_device: bool = False) -> tuple[tuple, dict]:
     """Returns `(args, kwargs)` for `jax_kda.prefill(*args, **kwargs)` as jax arrays.
 
     q/k/v are drawn in float32 and cast to `w.dtype`; g and beta in `w.g_dtype` / `w.beta_dtype`
     (default: bfloat16 when `w.dtype` is bfloat16, else float32), A_log/dt_bias/initial_state float32.
+    The draws come from `rng` on the host, or with `on_device` from `jax.random` on JAX's default
+    device, seeded from `rng` (same distributions; for inputs too large to draw on the host quickly).
     """
+    draw = _DeviceDraws(rng) if on_device else _HostDraws(rng)
+    xp = draw.xp
     dtype = jnp.dtype(w.dtype)
     default_gate_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
     g_dtype = jnp.dtype(w.g_dtype) if w.g_dtype else default_gate_dtype
@@ -64,12 +110,9 @@ def make_inputs(w: Workload, rng: np.random.Generator) -> tuple[tuple, dict]:
         b, t, n = w.batch, w.seqlen, w.batch
     h, hv, kd, vd = w.heads, w.num_v_heads, w.head_k, w.head_v
 
-    def normal(*shape, scale=1.0):
-        return (scale * rng.standard_normal(shape)).astype(np.float32)
-
-    q = normal(b, t, h, kd)
-    k = normal(b, t, h, kd)
-    v = normal(b, t, hv, vd)
+    q = draw.normal((b, t, h, kd))
+    k = draw.normal((b, t, h, kd))
+    v = draw.normal((b, t, hv, vd))
     kwargs: dict = dict(
         use_qk_l2norm_in_kernel=w.l2norm,
         use_beta_sigmoid_in_kernel=w.beta_sigmoid,
@@ -78,24 +121,25 @@ def make_inputs(w: Workload, rng: np.random.Generator) -> tuple[tuple, dict]:
     )
     if not w.l2norm:  # keep the recurrence stable without normalisation: |k| ~ 1
         q, k = q / np.sqrt(kd), k / np.sqrt(kd)
-    beta = normal(b, t, hv) if w.beta_sigmoid else rng.uniform(0.05, 1.0, (b, t, hv)).astype(np.float32)
+    beta = draw.normal((b, t, hv)) if w.beta_sigmoid else draw.uniform(0.05, 1.0, (b, t, hv)).astype(np.float32)
 
     if w.gate == "preactivated":
         # Log-uniform magnitudes from 1e-4 up to |decay_floor|: both long memory and -30..-60 decays.
-        mags = np.exp(rng.uniform(np.log(1e-4), np.log(-w.decay_floor), (b, t, hv, kd)))
+        mags = xp.exp(draw.uniform(np.log(1e-4), np.log(-w.decay_floor), (b, t, hv, kd)))
         if w.long_memory:
-            mags = np.where(rng.uniform(size=(1, 1, hv, kd)) < 0.5, 1e-4 * rng.uniform(size=mags.shape), mags)
+            mags = xp.where(draw.uniform(0.0, 1.0, (1, 1, hv, kd)) < 0.5,
+                            1e-4 * draw.uniform(0.0, 1.0, mags.shape), mags)
         g = (-mags).astype(np.float32)
     else:
         kwargs["use_gate_in_kernel"] = True
-        g = normal(b, t, hv, kd, scale=2.0)
+        g = draw.normal((b, t, hv, kd), scale=2.0)
         if w.long_memory:  # push half the channels' gates far negative: decays close to 0
-            g = np.where(rng.uniform(size=(1, 1, hv, kd)) < 0.5, g - 12.0, g).astype(np.float32)
-        kwargs["dt_bias"] = jnp.asarray(normal(hv, kd, scale=0.5))
+            g = xp.where(draw.uniform(0.0, 1.0, (1, 1, hv, kd)) < 0.5, g - 12.0, g).astype(np.float32)
+        kwargs["dt_bias"] = jnp.asarray(draw.normal((hv, kd), scale=0.5))
         if w.gate == "softplus":
-            kwargs["A_log"] = jnp.asarray(rng.uniform(-1.0, 1.0, hv).astype(np.float32))
+            kwargs["A_log"] = jnp.asarray(draw.uniform(-1.0, 1.0, hv).astype(np.float32))
         elif w.gate == "lower_bound":
-            kwargs["A_log"] = jnp.asarray(rng.uniform(-1.0, 1.0, hv).astype(np.float32))
+            kwargs["A_log"] = jnp.asarray(draw.uniform(-1.0, 1.0, hv).astype(np.float32))
             kwargs["lower_bound"] = w.lower_bound
         elif w.gate == "lower_bound_no_a_log":
             kwargs["lower_bound"] = w.lower_bound
@@ -104,7 +148,7 @@ def make_inputs(w: Workload, rng: np.random.Generator) -> tuple[tuple, dict]:
 
     if w.initial_state:
         shape = (n, hv, vd, kd) if w.state_v_first else (n, hv, kd, vd)
-        kwargs["initial_state"] = jnp.asarray(normal(*shape, scale=0.5))
+        kwargs["initial_state"] = jnp.asarray(draw.normal(shape, scale=0.5))
     if w.seqlens is not None:
         kwargs["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(w.seqlens)]).astype(np.int32))
     args = (
