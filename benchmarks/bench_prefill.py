@@ -66,6 +66,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -396,9 +397,11 @@ def main():
     rows = []
     table = ""
     for w in cases:
+        start = time.monotonic()
         row = run_case(w, args, rng, bandwidth)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        print(f"{w.name}: {time.monotonic() - start:.0f} s", flush=True)  # for planning a visit's time
         # Written after every case, so that a run cut short keeps what it measured.
         if args.peers_only:
             args.out.mkdir(parents=True, exist_ok=True)
