@@ -12,8 +12,11 @@ above, then take both back (on a machine that returns only a folder, copy them t
 in them comes from this run of one build: record the build's commit with `--commit` or the
 JAX_KDA_COMMIT environment variable (the installed wheel has no .git; "unknown" otherwise).
 
-FLA's first calls for each shape autotune for tens of seconds, so it may be timed by a command of its
-own in the same machine visit, with the same build, and merged into the table:
+FLA autotunes its kernels on its first calls, for 50-100 s (H100, 2026-12-06), once per process for each
+value of its tuning keys (heads, packed or not, dtypes), not per length: a case that shares them with an
+earlier one of the same process took 3-20 s. `--peers-only` therefore runs its cases grouped that way
+(`harness.by_tuning_group`). It may so be timed by a command of its own in the same machine visit,
+with the same build, and merged into the table:
 
     python benchmarks/bench_prefill.py --peers-only --no-flashkda --out /tmp/fla     # writes /tmp/fla/peers.json
     python benchmarks/bench_prefill.py --no-fla --peer-results /tmp/fla/peers.json --xla --out ... --report ...
@@ -361,6 +364,8 @@ def main():
         raise SystemExit("--peers-only times only the peers: no --peer-results, --report or --xla with it")
     peer_runs = [json.loads(path.read_text()) for path in args.peer_results]
     cases = [harness.workload(name) for name in args.cases.split(",") if name]
+    if args.peers_only:
+        cases = harness.by_tuning_group(cases)
     if args.fla is not False or args.flashkda is not False:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
     for peer in PEERS:

@@ -180,6 +180,20 @@ class InputSets:
         return len(self.sets)
 
 
+def by_tuning_group(cases: list[Workload]) -> list[Workload]:
+    """The cases with those that share FLA's autotuning keys (heads, packed or not, dtypes; not the
+    length) next to each other, in order of each group's first case: FLA tunes once per process and
+    group (50-100 s), so a peers-only run reaches more cases in its time."""
+    first = {}
+    for w in cases:
+        first.setdefault(_tuning_key(w), len(first))
+    return sorted(cases, key=lambda w: first[_tuning_key(w)])  # stable: within a group, the given order
+
+
+def _tuning_key(w: Workload) -> tuple:
+    return (w.heads, w.num_v_heads, w.seqlens is not None, w.dtype, w.g_dtype, w.beta_dtype)
+
+
 def input_sets(w: Workload, rng: np.random.Generator, count: int | None = None) -> InputSets:
     """The first set drawn by `testing.make_inputs` on JAX's default device (the host's numpy takes
     about 35 ns a value, a minute for a 96-head 32K-token set), the others derived from it there;

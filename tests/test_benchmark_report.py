@@ -382,3 +382,11 @@ def test_a_peers_table_time_is_the_smaller_of_its_device_and_wall_time():
     assert harness.goal_time_us(row) == 1015.0 / 2
     assert "| 520 | 1015 | 2976 | 1.95x | 5.72x |" in harness.render_table([row])
     assert harness.peer_us(dict(fla_us=10.0), "fla") == 10.0 and harness.peer_us({}, "fla") is None
+
+
+def test_peers_only_runs_cases_that_share_flas_tuning_together():
+    names = ["h96_fixed8k", "h64_mixed", "h96_fixed32k", "h64_8x1k", "h96_mixed", "h96_8x1k",
+             "h96_fixed8k_f32gates", "h64_fixed8k"]
+    ordered = [w.name for w in harness.by_tuning_group([harness.workload(n) for n in names])]
+    assert ordered == ["h96_fixed8k", "h96_fixed32k", "h64_mixed", "h64_8x1k", "h96_mixed", "h96_8x1k",
+                       "h96_fixed8k_f32gates", "h64_fixed8k"]
