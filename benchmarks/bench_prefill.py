@@ -31,6 +31,8 @@ merge command too, and the plot is drawn again where matplotlib imports):
     python benchmarks/bench_prefill.py --peers-only --no-flashkda --out /tmp/fla                # FLA, same visit
     python benchmarks/bench_prefill.py --redraw --peer-results /tmp/fla/peers.json --out OUT --report REPORT
 
+`visit_table.py` runs those steps for one visit, each call within a time limit, until the table is complete.
+
 `--redraw` times nothing: it draws OUT/table.md, the report and (where matplotlib imports) the plot
 again from OUT/results.json (the same run's rows; their derived figures, such as the floors and
 ratios, recomputed), after a change to how they are drawn, with no GPU:
