@@ -192,7 +192,6 @@ def main():
     parser.add_argument("--bench", type=pathlib.Path, default=HERE / "bench_prefill.py", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.report = args.report or args.out / "BENCHMARK.md"
-    os.environ.setdefault("FLA_FLASH_KDA", "0")
     sys.exit(0 if Visit(args).run() else 3)
 
 
