@@ -151,8 +151,11 @@ def explain(q, k, v, g, beta, *, device=None, **kwargs) -> dispatch.Decision:
     limits even on a CPU host. When the call lowers to the kernels on CUDA, the result carries the
     planner's `plan` (V split, and the segments of intracard context parallelism).
     """
-    if kwargs.get("cu_seqlens") is not None and not hasattr(kwargs["cu_seqlens"], "shape"):
-        kwargs["cu_seqlens"] = jnp.asarray(kwargs["cu_seqlens"])
+    # The arrays as prefill computes with them (numpy float64 becomes float32 unless x64 is on).
+    q, k, v, g, beta = (_as_array(x) for x in (q, k, v, g, beta))
+    for name in ("initial_state", "cu_seqlens", "A_log", "dt_bias"):
+        if name in kwargs:
+            kwargs[name] = _as_array(kwargs[name])
     requested = kwargs.get("backend", "auto")
     cfg = validate(q, k, v, g, beta, **kwargs)
     return dispatch.decide(cfg, requested, device, strict=False)

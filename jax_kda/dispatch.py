@@ -6,8 +6,8 @@ backend="auto" is bound as the kernel primitive, which lowers to the kernels for
 path for every other platform (`jax_kda.kernel`); so the platform is decided when the program is
 lowered, whatever the default device of the tracing process. The one device fact used at trace time:
 when the default device is a CUDA GPU the kernels do not support (e.g. compute capability 8.0),
-"auto" takes the XLA path at once. Which compiled kernels run on a GPU (9.0 or 10.0) is resolved by
-the FFI handler on the device itself.
+"auto" takes the XLA path at once. Which compiled kernels run on a GPU (sm_90a, sm_100f
+or sm_110f) is resolved by the FFI handler on the device itself.
 
 An ineligible "auto" call takes the XLA path; the reasons are logged on the `jax_kda` logger (DEBUG)
 and returned by `explain`. An explicitly requested kernel backend that cannot serve the call raises a

@@ -6,6 +6,11 @@
 # (from $2, default ./gpu-logs).
 wheel=${1:?usage: $0 WHEEL [LOG_DIR]}
 logs=${2:-gpu-logs}
+case $logs in *.whl)  # a glob such as dist/jax_kda-*.whl that matched build/wheel.sh's two wheels
+  echo "$0: one wheel, then an optional log folder; got two wheels ($wheel, $logs): pass the" \
+       "platform wheel (dist/jax_kda-*linux*.whl), not the pure-Python one" >&2
+  exit 2 ;;
+esac
 here=$(cd "$(dirname "$0")/.." && pwd)
 site=$(mktemp -d)
 logs=$(mkdir -p "$logs" && cd "$logs" && pwd)

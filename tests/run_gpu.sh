@@ -3,7 +3,7 @@
 # nothing. Installs the wheel into a private directory (no dependencies: the machine's jax/jaxlib
 # with CUDA are used), then runs the GPU tests, the compute-sanitizer checks and the demo.
 #
-#   tests/run_gpu.sh dist/jax_kda-*.whl [LOG_DIR]
+#   tests/run_gpu.sh dist/jax_kda-*linux*.whl [LOG_DIR]
 #
 # Exits non-zero if any step fails; logs go to LOG_DIR (default ./gpu-logs).
 set -uo pipefail

@@ -4,7 +4,7 @@
 # collective in the compiled program), the tensor-parallel example, compute-sanitizer memcheck of a
 # small sharded case, and the scaling benchmark (time per call at 1 and N GPUs).
 #
-#   tests/run_multi_gpu.sh dist/jax_kda-*.whl [LOG_DIR]
+#   tests/run_multi_gpu.sh dist/jax_kda-*linux*.whl [LOG_DIR]
 #
 # Exits non-zero if any step fails; logs go to LOG_DIR (default ./gpu-logs). On a machine with one
 # GPU the same steps run on a 1-device mesh.

@@ -7,6 +7,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_kda
@@ -105,6 +106,16 @@ def test_explain_reports_the_decision_and_every_reason():
     assert "backend='xla'" in str(d)
     d = jax_kda.explain(x, x, x, x, x[..., 0], backend="sm90", device="9.0")
     assert d.backend == "unavailable" and any("K == V == 128" in r for r in d.reasons)
+
+
+def test_explain_judges_numpy_inputs_as_prefill_computes_with_them():
+    """numpy float64 gates become float32 in prefill (x64 off), so explain must not call them float64."""
+    x = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+    g64, beta64 = np.zeros((1, 64, 2, 128)), np.zeros((1, 64, 2))
+    reasons = jax_kda.explain(x, x, x, g64, beta64, device="9.0").reasons
+    assert not any("float64" in r for r in reasons), reasons
+    assert reasons == jax_kda.explain(x, x, x, g64.astype(np.float32), beta64.astype(np.float32),
+                                      device="9.0").reasons
 
 
 def test_explain_shows_the_kernel_plan_and_its_segments(built):

@@ -68,3 +68,16 @@ def test_step_records_a_failure_and_keeps_going(tmp_path):
     script = f'logs={tmp_path}; status=0; source {STEPS}; step a false; step b true; echo "status=$status"'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
     assert "== a\n   FAILED" in out and "== b\n   ok" in out and out.strip().endswith("status=1")
+
+
+def test_two_wheels_are_refused_before_anything_is_installed(tmp_path):
+    """`run_gpu.sh dist/jax_kda-*.whl` after build/wheel.sh expands to two wheels: the second must
+    not be taken for the log folder."""
+    steps = STEPS.parent / "gpu_steps.sh"
+    wheels = [str(tmp_path / "jax_kda-0.1.0-cp312-abi3-manylinux_2_34_x86_64.whl"),
+              str(tmp_path / "jax_kda-0.1.0-py3-none-any.whl")]
+    run = subprocess.run(["bash", "-c", f'source {steps} "$@"; echo installed', "run_gpu.sh", *wheels],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 2 and "installed" not in run.stdout, run
+    assert "got two wheels" in run.stderr and "linux" in run.stderr
+    assert not any(tmp_path.glob("*.whl/"))  # no log folder made from a wheel's name
