@@ -863,14 +863,21 @@ def merge_peer_runs(rows: list[dict], meta: dict, runs: list[dict], timed_here: 
     return merged, dict(meta, peer_runs=records)
 
 
+def _unique(items: list) -> list:
+    """items without repeats (an item equal to an earlier one), in their first order."""
+    return [x for i, x in enumerate(items) if x not in items[:i]]
+
+
 def merge_saved_peer_runs(rows: list[dict], meta: dict, runs: list[dict], command: str) -> tuple[list, dict]:
     """merge_peer_runs on a saved run (results.json's rows and facts), after the fact: `command` is the
     `--redraw --peer-results` command that merges them, named in the report beside the run's own. Peer
     runs merged before (at run time, or by an earlier merge) are kept; a case timed by both counts the
-    newer. The peers' package versions the run lacks are added."""
+    newer. The peers' package versions the run lacks are added. Merging the same runs again (a
+    visit's merge step repeated) changes nothing: a peer run or merge command already recorded is not
+    recorded twice."""
     merged, merged_meta = merge_peer_runs(rows, meta, runs, set(meta.get("peers", [])))
-    merged_meta["peer_runs"] = list(meta.get("peer_runs") or []) + merged_meta["peer_runs"]
-    merged_meta["merge_commands"] = list(meta.get("merge_commands") or []) + [command]
+    merged_meta["peer_runs"] = _unique(list(meta.get("peer_runs") or []) + merged_meta["peer_runs"])
+    merged_meta["merge_commands"] = _unique(list(meta.get("merge_commands") or []) + [command])
     versions = dict(meta.get("versions", {}))
     for run in runs:
         versions.update({k: v for k, v in run["meta"].get("versions", {}).items() if k not in versions})

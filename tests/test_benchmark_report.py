@@ -356,6 +356,11 @@ def test_redraw_merges_peers_only_runs_timed_after_the_main_run(tmp_path):
     assert [r["flashkda_us"] for r in saved["rows"]] == [1416.0, 1416.0]  # the run's own peer, untouched
     assert [run["cases"] for run in saved["peer_runs"]] == [["h96_fixed8k"], ["h64_fixed8k"]]
     assert saved["versions"]["fla-core"] == "0.6.0" and len(saved["merge_commands"]) == 2
+    # The same merge again (visit_table.py's merge step in a later call) records nothing twice.
+    done = _bench("--redraw", "--peer-results", str(second), "--out", str(out), "--report", str(report))
+    assert done.returncode == 0, done.stderr
+    again = json.loads((out / "results.json").read_text())
+    assert again["peer_runs"] == saved["peer_runs"] and again["merge_commands"] == saved["merge_commands"]
     assert "| h96_fixed8k | 8192 | 96 | 2 / 1 | 834 | 1416 | 2700 | 1.70x | 3.24x |" in (out / "table.md").read_text()
     text = report.read_text()
     assert text.count("- Merged into this run's rows after it (nothing timed): `python ") == 2
