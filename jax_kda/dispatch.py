@@ -92,12 +92,13 @@ def argument_limits(cfg: PrefillConfig) -> list[str]:
         reasons.append(
             f"the kernels support at most {contract.MAX_GRID_YZ} sequences and {contract.MAX_GRID_YZ} value heads "
             f"per call (CUDA grid limits), got N={cfg.num_seqs}, HV={cfg.num_v_heads}")
-    # Long calls are cut along T (planner.piece_length); what must fit is one 16-token slot of every
-    # sequence: a piece needs (slots + N) * HV rows.
-    rows = (cfg.num_seqs + 1) * cfg.num_v_heads
+    # Long calls are cut along T (planner.piece_length); what must fit is the shortest piece, 16 tokens
+    # of T: (slots + N) * HV rows, its slots 1 when packed and B when dense (16 tokens of every row).
+    slots, what = (1, "(N + 1) * HV") if cfg.varlen else (cfg.batch, "2 * B * HV (dense)")
+    rows = (slots + cfg.num_seqs) * cfg.num_v_heads
     if rows >= contract.MAX_WORKSPACE_ROWS:
         reasons.append(
-            f"the kernels support (N + 1) * HV < {contract.MAX_WORKSPACE_ROWS} (32-bit workspace offsets), "
+            f"the kernels support {what} < {contract.MAX_WORKSPACE_ROWS} (32-bit workspace offsets), "
             f"got {rows} (N={cfg.num_seqs}, HV={cfg.num_v_heads})")
     return reasons
 

@@ -295,8 +295,9 @@ def _batch(args, dims, *, tree, fields, cfg, kernels, num_sms, num_segments):
     if kernels is None:
         out = jax.vmap(functools.partial(_xla_calls, tree=tree, cfg=cfg), in_axes=tuple(dims))(*args)
         return out, [0] * len(out)
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-    moved = [jnp.broadcast_to(a, (size,) + a.shape) if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
+    # An operand vmap does not map has dimension None (jax >= 0.12 no longer names it not_mapped).
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
              for a, d in zip(args, dims)]
     params = dict(tree=tree, fields=fields, cfg=cfg, kernels=kernels, num_sms=num_sms, num_segments=num_segments)
     results = jax.lax.map(lambda xs: prefill_p.bind(*xs, **params), moved)

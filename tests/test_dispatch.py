@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import dispatch
+from jax_kda import contract, dispatch
 from jax_kda.config import validate
 from jax_kda.contract import Kernels
 
@@ -145,3 +145,20 @@ def test_default_device_honours_jax_default_device(monkeypatch):
     assert dispatch.default_device().platform == "cpu"
     with jax.default_device(cpu):
         assert dispatch.default_device().platform == "cpu"
+
+
+def test_a_dense_batch_too_wide_for_one_slot_takes_the_xla_path(built):
+    """A dense piece of 16 tokens holds B slots per value head, so the kernels need 2 * B * HV < 2^20
+    (packed: (N + 1) * HV): past it "auto" takes the XLA path with the reason instead of failing in
+    the planner, and just under it the planner cuts the call into pieces that fit."""
+    def cfg(b, t=64, hv=16):
+        return validate(*[S((b, t, hv, 128), jnp.bfloat16)] * 4, S((b, t, hv), jnp.bfloat16))
+
+    limit = contract.MAX_WORKSPACE_ROWS // (2 * 16)  # B at which 2 * B * HV reaches the limit (HV = 16)
+    d = dispatch.decide(cfg(limit), "auto", "cpu")
+    assert d.kernels is None and d.backend == "xla"
+    assert any("2 * B * HV (dense)" in r for r in d.reasons), d.reasons
+    assert dispatch.decide(cfg(limit), "sm90", "9.0", strict=False).backend == "unavailable"
+    d = dispatch.decide(cfg(limit - 1), "auto", "cpu")
+    assert d.kernels == Kernels.FOR_DEVICE and not d.reasons
+    assert d.plan.piece_len == 16 and (2 * (limit - 1)) * 16 < contract.MAX_WORKSPACE_ROWS

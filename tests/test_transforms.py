@@ -67,6 +67,33 @@ def test_vmap_over_a_leading_axis(fresh_seed):
         np.testing.assert_allclose(np.asarray(final[i]), np.asarray(f1), rtol=1e-5, atol=1e-6)
 
 
+def test_vmap_of_the_kernel_primitive(fresh_seed, monkeypatch):
+    """vmap of a call "auto" gives to the kernels: the primitive's batching rule (one call per element,
+    by lax.map; some operands unmapped) on a CPU host lowers to the XLA path, which must agree with
+    vmap of backend="xla". As if the extension were installed, so the rule is exercised anywhere."""
+    from jax_kda import dispatch
+
+    monkeypatch.setattr(dispatch, "build_limits", lambda: [])
+    rng = np.random.default_rng(fresh_seed)
+    n, b, t, h, d = 3, 2, 20, 2, 128
+    q, k, v = (jnp.asarray(rng.standard_normal((n, b, t, h, d)) / np.sqrt(d), jnp.bfloat16) for _ in range(3))
+    g = jnp.asarray(-rng.uniform(0.0, 0.5, (b, t, h, d)), jnp.bfloat16)   # unmapped
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (b, t, h)), jnp.bfloat16)    # unmapped
+    state = jnp.asarray(rng.standard_normal((b, h, d, d)), jnp.float32)   # unmapped
+    x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+    assert jax_kda.explain(x, x, x, x, jax.ShapeDtypeStruct((b, t, h), jnp.bfloat16), device="cpu").kernels is not None
+
+    def call(backend):
+        f = lambda q, k, v: jax_kda.prefill(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                            backend=backend)
+        return jax.jit(jax.vmap(f))(q, k, v)
+
+    (o, final), (o_xla, final_xla) = call("auto"), call("xla")
+    assert o.shape == (n, b, t, h, d) and final.shape == (n, b, h, d, d)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_xla, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(final), np.asarray(final_xla), rtol=1e-4, atol=1e-4)
+
+
 def test_grad_matches_a_token_scan(fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     b, t, h, kd, vd = 2, 37, 2, 8, 8
