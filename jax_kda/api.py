@@ -128,7 +128,8 @@ def prefill(
     if debug.enabled():
         debug.check_inputs(cfg, g, cu_seqlens)
     decision = dispatch.decide(cfg, backend)
-    explicit = sharding.explicit_split(cfg, q)
+    explicit = sharding.explicit_split(cfg, q, dict(k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                                                    A_log=A_log, dt_bias=dt_bias))
     if explicit is None:
         return kernel.prefill(ops, cfg, decision.kernels, decision.num_sms)
     # Shardings in the types (jax.set_mesh, Explicit axes): one local call per device, by shard_map.

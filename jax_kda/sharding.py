@@ -102,9 +102,7 @@ def sharding_rule(cfg: PrefillConfig, fields: tuple[str, ...], ranks: tuple[int,
     rule = ", ".join(operands) + " -> " + ", ".join(results)
     replicated = ["t", "k", "v"] + (["c"] if "cu_seqlens" in fields else [])
     if cfg.varlen and ("initial_state" in fields or cfg.output_final_state):
-        replicated.append("n")
-        if "initial_state" not in fields:
-            sizes["n"] = cfg.num_seqs
+        replicated.append("n")  # whole in a state, so Shardy takes its size from there (none given)
     return rule, sizes, tuple(replicated)
 
 
@@ -112,7 +110,9 @@ def can_partition(axis_context) -> bool:
     """Whether a lowering with `axis_context` may be partitioned by custom_partitioning: a program
     over several concrete devices, not fully inside a shard_map. Without concrete devices (lowering
     for another platform, jax.export) custom_partitioning cannot run, so a program with several
-    devices there is left to XLA (gathered), with a warning that says to use shard_map."""
+    devices there is left to XLA (gathered), with a warning that says to use shard_map. (jax.export
+    of a NamedSharding program does not come here: it lowers with concrete devices and then cannot
+    serialize the callback; docs/prefill.md, "Which forms export".)"""
     from jax._src import sharding_impls
 
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):
@@ -120,8 +120,7 @@ def can_partition(axis_context) -> bool:
     if isinstance(axis_context, sharding_impls.ShardingContext):
         if axis_context.device_assignment is None:
             if axis_context.num_devices > 1:
-                logger.warning("jax_kda.prefill: lowered for %d devices without concrete devices (e.g. "
-                               "jax.export): the call is not partitioned, its sharded inputs are gathered; "
+                logger.warning("jax_kda.prefill: lowered for %d devices without concrete devices: the call is not partitioned, its sharded inputs are gathered; "
                                "use jax.shard_map (or explicit sharding) for a sharded program that exports",
                                axis_context.num_devices)
             return False
@@ -160,18 +159,32 @@ def partitioned(local_body, cfg: PrefillConfig, fields: tuple[str, ...], ranks: 
     return call
 
 
-def explicit_split(cfg: PrefillConfig, q) -> tuple[object, Split] | None:
-    """(mesh, split) when q's type carries an explicit sharding (jax.set_mesh with Explicit axes),
-    else None. Raises ValueError for an explicit split of T or K/V, which the call cannot honour."""
-    sharding = getattr(jax.typeof(q), "sharding", None)
+def _explicit_sharding(x):
+    """x's sharding when its type carries one over Explicit mesh axes (jax.set_mesh), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not getattr(mesh, "axis_names", ()) or not any(tuple(sharding.spec)):
         return None
     explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == jax.sharding.AxisType.Explicit}
-    spec = tuple(sharding.spec) + (None,) * (4 - len(tuple(sharding.spec)))
-    used = {a for axis in spec if axis is not None for a in (axis if isinstance(axis, tuple) else (axis,))}
-    if not used & explicit:
+    used = {a for axis in sharding.spec if axis is not None for a in (axis if isinstance(axis, tuple) else (axis,))}
+    return sharding if used & explicit else None
+
+
+def explicit_split(cfg: PrefillConfig, q, others: dict[str, object] | None = None) -> tuple[object, Split] | None:
+    """(mesh, split) when q's type carries an explicit sharding (jax.set_mesh with Explicit axes),
+    else None. The split is q's: the other operands are resharded to it. Raises ValueError for an
+    explicit split of T or K/V, which the call cannot honour, and where q is replicated but another
+    operand (`others`, by name) is explicitly sharded: which split was meant is ambiguous."""
+    sharding = _explicit_sharding(q)
+    if sharding is None:
+        for name, x in (others or {}).items():
+            if x is not None and (other := _explicit_sharding(x)) is not None:
+                raise ValueError(f"jax_kda.prefill: {name} is sharded {other.spec} but q is replicated: the call "
+                                 "is split the way q is sharded, so shard q (and k) over the same batch / head "
+                                 "axes, or replicate every operand")
         return None
+    mesh = sharding.mesh
+    spec = tuple(sharding.spec) + (None,) * (4 - len(tuple(sharding.spec)))
     if spec[1] is not None or spec[3] is not None:
         raise ValueError(f"jax_kda.prefill cannot split T or K across devices (q is sharded {sharding.spec}): "
                          "shard the batch and head axes only (context parallelism across devices is not "
@@ -188,5 +201,21 @@ def explicit_shard_map(local_call, cfg: PrefillConfig, fields, leaves, mesh, spl
     in_specs, out_specs = specs(cfg, fields, ranks, split)
     local = local_config(cfg, _axis_size(mesh, split.batch), _axis_size(mesh, split.heads))
     body = functools.partial(local_call, local)
+    # The split is q's; the other operands (a replicated A_log or state, say) are resharded to it, as
+    # an operand of another sharding would be under auto axes.
+    leaves = [leaf if _has_spec(leaf, spec) else jax.sharding.reshard(leaf, spec)
+              for leaf, spec in zip(leaves, in_specs)]
     return jax.shard_map(lambda *xs: tuple(body(*xs)), mesh=mesh, in_specs=tuple(in_specs),
                          out_specs=tuple(out_specs))(*leaves)
+
+
+def _has_spec(x, spec) -> bool:
+    """Whether x's type already carries `spec` (trailing Nones aside)."""
+    def norm(s):
+        s = list(s)
+        while s and s[-1] is None:
+            s.pop()
+        return tuple(s)
+
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return sharding is not None and norm(sharding.spec) == norm(spec)

@@ -80,6 +80,8 @@ CASES = [
     (W("head_sharded", batch=1, seqlen=40, heads=8, **KDA), "auto", (4,), ("model",), None, "model"),
     (W("both_2d", batch=2, seqlen=33, heads=4, **KDA), "auto", (2, 4), ("data", "model"), "data", "model"),
     (W("packed_head_sharded", seqlens=(10, 0, 30, 17), heads=4, **KDA), "auto", (4,), ("model",), None, "model"),
+    (W("packed_no_initial_state", seqlens=(10, 0, 30, 17), heads=4, initial_state=False, **KDA), "auto", (4,),
+     ("model",), None, "model"),
     (W("gqa_head_sharded", batch=2, seqlen=40, heads=4, v_heads=8, **KDA), "auto", (2, 4), ("data", "model"),
      "data", "model"),
     (W("no_initial_state", batch=4, seqlen=40, heads=4, initial_state=False, **KDA), "auto", (2, 4),
@@ -161,6 +163,36 @@ def test_explicit_sharding_mode_splits_batch_and_heads(fresh_seed):
     assert not [c for c in COLLECTIVES if c in compiled]
 
 
+@pytest.mark.parametrize("batch,heads", [("data", None), (None, "model"), ("data", "model")])
+def test_explicit_sharding_reshards_replicated_parameters_and_states(batch, heads, fresh_seed):
+    """Under explicit sharding the split is q's: A_log, dt_bias and the initial state given replicated
+    (as parameters usually are) are resharded to it, and the result is the unsharded call's."""
+    w = W("explicit_replicated", batch=2, seqlen=40, heads=4, gate="softplus", **KDA)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    assert {"A_log", "dt_bias", "initial_state"} <= set(arrays)
+    want = jax_kda.prefill(*args, **arrays, **static)
+    mesh = _mesh((2, 4), ("data", "model"), kind=AxisType.Explicit)
+    arg_specs, _ = _specs(w, batch, heads)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        f = jax.jit(lambda a, kw: jax_kda.prefill(*a, **kw, **static))
+        got, _ = _run_sharded(f, mesh, args, arrays, arg_specs, {k: P() for k in arrays})
+    _assert_close(got, want)
+
+
+def test_explicit_sharding_of_another_operand_than_q_is_an_error():
+    """q replicated while v, g and beta are split over heads: which split was meant is ambiguous."""
+    w = W("explicit_q_replicated", batch=1, seqlen=32, heads=4, **KDA)
+    args, kwargs = make_inputs(w, np.random.default_rng(0))
+    arrays, static = _split(kwargs)
+    mesh = _mesh((4,), ("model",), kind=AxisType.Explicit, count=4)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        specs = [P()] * 2 + [P(None, None, "model")] * 3
+        sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+        with pytest.raises(ValueError, match=r"v is sharded .* but q is replicated"):
+            jax.jit(lambda a: jax_kda.prefill(*a, **arrays, **static))(sharded)
+
+
 def test_explicit_sharding_of_the_token_axis_is_an_error():
     w = W("t_sharded", batch=1, seqlen=64, heads=2, **KDA)
     args, kwargs = make_inputs(w, np.random.default_rng(0))
@@ -203,6 +235,18 @@ def test_shard_map_form_exports_for_cuda():
     text = exported.mlir_module()
     if _native.unavailable_reason() is None:
         assert re.search(r"stablehlo.custom_call @jax_kda_prefill\(.*tensor<1x512x2x128xbf16>", text)
+
+
+def test_named_sharding_alone_does_not_export():
+    """What docs/prefill.md says of the form that relies on NamedSharding alone: jax.export cannot
+    serialize its custom_partitioning callback. If this starts to pass, jax learned to, and the docs'
+    "Which forms export" should say so."""
+    S = jax.ShapeDtypeStruct
+    mesh = _mesh((4,), ("model",), count=4)
+    x = S((1, 64, 8, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, "model", None)))
+    beta = S((1, 64, 8), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, "model")))
+    with pytest.raises(NotImplementedError, match="host_callbacks"):
+        jax.export.export(jax.jit(lambda *a: jax_kda.prefill(*a)[0]), platforms=["cpu"])(x, x, x, x, beta)
 
 
 def test_the_gspmd_partitioner_splits_the_same_way(fresh_seed):
