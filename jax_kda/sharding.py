@@ -108,8 +108,8 @@ def sharding_rule(cfg: PrefillConfig, fields: tuple[str, ...], ranks: tuple[int,
 
 def can_partition(axis_context) -> bool:
     """Whether a lowering with `axis_context` may be partitioned by custom_partitioning: a program
-    over several concrete devices, not fully inside a shard_map. Without concrete devices (lowering
-    for another platform, jax.export) custom_partitioning cannot run, so a program with several
+    over several concrete devices, not fully inside a shard_map. Without concrete devices
+    custom_partitioning cannot run, so a program with several
     devices there is left to XLA (gathered), with a warning that says to use shard_map. (jax.export
     of a NamedSharding program does not come here: it lowers with concrete devices and then cannot
     serialize the callback; docs/prefill.md, "Which forms export".)"""
@@ -120,8 +120,8 @@ def can_partition(axis_context) -> bool:
     if isinstance(axis_context, sharding_impls.ShardingContext):
         if axis_context.device_assignment is None:
             if axis_context.num_devices > 1:
-                logger.warning("jax_kda.prefill: lowered for %d devices without concrete devices: the call is not partitioned, its sharded inputs are gathered; "
-                               "use jax.shard_map (or explicit sharding) for a sharded program that exports",
+                logger.warning("jax_kda.prefill: lowered for %d devices without concrete devices: the call "
+                               "is not partitioned, its sharded inputs are gathered; use jax.shard_map (or explicit sharding) for a sharded program that exports",
                                axis_context.num_devices)
             return False
         return len(axis_context.device_assignment) > 1
