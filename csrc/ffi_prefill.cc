@@ -156,10 +156,10 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
                            " sequences (x segments) and value heads per call, got " + std::to_string(units) +
                            ", HV = " + std::to_string(hv));
   }
-  if (gate_mode == GateMode::kSoftplus || gate_mode == GateMode::kLowerBoundALog) {
-    if (static_cast<int64_t>(a_log.element_count()) != hv) return InvalidArgument("A_log must have HV elements");
+  if (ReadsALog(gate_mode) && static_cast<int64_t>(a_log.element_count()) != hv) {
+    return InvalidArgument("A_log must have HV elements");
   }
-  if (gate_mode != GateMode::kPreactivated && static_cast<int64_t>(dt_bias.element_count()) != hv * d) {
+  if (ReadsDtBias(gate_mode) && static_cast<int64_t>(dt_bias.element_count()) != hv * d) {
     return InvalidArgument("dt_bias must have HV * 128 elements (zeros when absent)");
   }
   const int64_t state_elements = hv * d * d;
@@ -179,7 +179,10 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   }
   const int64_t tokens = b * t;
   const int64_t rows = PrefillWorkspaceRows(tokens, n, s, hv);
-  if (rows >= contract::kMaxWorkspaceRows || tokens > INT32_MAX) {
+  if (tokens > INT32_MAX) {
+    return InvalidArgument("B * T must be < 2^31, got " + std::to_string(tokens));
+  }
+  if (rows >= contract::kMaxWorkspaceRows) {
     return InvalidArgument("((B*T) // 16 + N * S) * HV must be < " + std::to_string(contract::kMaxWorkspaceRows) +
                            ", got " + std::to_string(rows));
   }
@@ -190,10 +193,16 @@ ffi::Error PrefillExecute(cudaStream_t stream, int32_t device, ffi::BufferR4<ffi
   }
   // o is empty in the summary call and never written there; the kernels still take a view of v's shape.
   void* o_data = phase == Phase::kSummary ? const_cast<void*>(v.untyped_data()) : o->untyped_data();
-  const void* initial_data = attrs.has_initial_state ? initial_state.untyped_data() : q.untyped_data();
-  for (const void* p : std::initializer_list<const void*>{q.untyped_data(), k.untyped_data(), v.untyped_data(),
-                                                         g.untyped_data(), beta.untyped_data(), o_data,
-                                                         initial_data, workspace->untyped_data()}) {
+  // The kernels take every view as 16-byte aligned (the DSL's assumed_align): each buffer they read
+  // or write is checked; one the flags say is never touched may be anywhere (it is often empty).
+  const auto touched = [&](bool used, const void* p) { return used ? p : q.untyped_data(); };
+  for (const void* p : std::initializer_list<const void*>{
+           q.untyped_data(), k.untyped_data(), v.untyped_data(), g.untyped_data(), beta.untyped_data(), o_data,
+           touched(attrs.has_initial_state, initial_state.untyped_data()),
+           touched(final_entries > 0, final_state->untyped_data()),
+           touched(ReadsALog(gate_mode), a_log.untyped_data()),
+           touched(ReadsDtBias(gate_mode), dt_bias.untyped_data()),
+           touched(attrs.varlen, cu_seqlens.untyped_data()), workspace->untyped_data()}) {
     if (!Aligned16(p)) return InvalidArgument("every buffer must be 16-byte aligned");
   }
 

@@ -45,6 +45,9 @@ std::string KernelModules::LoadAll() {
     return "jax_kda: cudaGetDeviceCount failed: " + CudaErrorText(error);
   }
   devices_.resize(device_count);
+  for (Device& d : devices_) {
+    for (auto& by_variant : d.exports) by_variant.fill(-1);  // nothing served until resolved below
+  }
   for (int device = 0; device < device_count; ++device) {
     Device& d = devices_[device];
     cudaError_t error = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device);
@@ -57,7 +60,6 @@ std::string KernelModules::LoadAll() {
              " failed: " + CudaErrorText(error);
     }
     // Which export serves each request and gate variant on this device.
-    for (auto& by_variant : d.exports) by_variant.fill(-1);
     const char* arch = ArchForComputeCapability(d.major, d.minor);
     for (const contract::KernelChoice& choice : contract::kKernelChoices) {
       if (arch == nullptr || std::strcmp(choice.arch, arch) != 0) continue;
@@ -74,9 +76,9 @@ std::string KernelModules::LoadAll() {
   for (const ExportedObject& object : objects_) {
     bool library_loaded = false;
     for (int device = 0; device < device_count; ++device) {
-      const Device& d = devices_[device];
+      Device& d = devices_[device];
       const char* arch = ArchForComputeCapability(d.major, d.minor);
-      if (arch == nullptr || std::strcmp(arch, object.arch) != 0) continue;
+      if (arch == nullptr || std::strcmp(arch, object.arch) != 0 || !d.load_error.empty()) continue;
 
       // The argument packing of the exported entry points, as the generated header spells it:
       // init(&library_ptr, &ret) and load_to_device(&library_ptr, &device, &ret).
@@ -94,9 +96,9 @@ std::string KernelModules::LoadAll() {
       void* load_args[] = {&library_ptr, &device_id, &ret};
       object.load_to_device(load_args);
       if (ret != cudaSuccess) {
-        return std::string("jax_kda: loading the kernel object ") + object.name + " onto CUDA device " +
-               std::to_string(device) + " (compute capability " + std::to_string(d.major) + "." +
-               std::to_string(d.minor) + ") failed: " + CudaErrorText(ret);
+        d.load_error = std::string("jax_kda: loading the kernel object ") + object.name + " onto CUDA device " +
+                       std::to_string(device) + " (compute capability " + std::to_string(d.major) + "." +
+                       std::to_string(d.minor) + ") failed: " + CudaErrorText(ret);
       }
     }
   }
@@ -117,6 +119,10 @@ int KernelModules::Resolve(contract::Kernels kernels, int gate_variant, int devi
     return -1;
   }
   const Device& d = devices_[device];
+  if (!d.load_error.empty()) {
+    *error = d.load_error;
+    return -1;
+  }
   if (d.exports[request][gate_variant] >= 0) return d.exports[request][gate_variant];
   std::string serves;
   for (const contract::KernelChoice& choice : contract::kKernelChoices) {

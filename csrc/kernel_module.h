@@ -51,14 +51,17 @@ class KernelModules {
   explicit KernelModules(std::span<const ExportedObject> objects) : objects_(objects) {}
 
   // Loads each object onto every device of its architecture, the first time it is called in the
-  // process; returns that first call's error (empty on success) on every call. Thread-safe. Must run
-  // outside CUDA graph capture: loading a cubin onto a device is not a stream operation and is not
-  // allowed while a capture is recording. The FFI instantiate stage is such a place.
+  // process; returns that first call's error (empty on success) on every call: an error of the whole
+  // process (no device count, an object that does not load at all). An object that fails to load
+  // onto one device is that device's error, which Resolve returns for it; the other devices keep
+  // their kernels (one faulted or exclusive-mode GPU does not take them from every GPU).
+  // Thread-safe. Must run outside CUDA graph capture: loading a cubin onto a device is not a stream
+  // operation and is not allowed while a capture is recording. The FFI instantiate stage is such a place.
   const std::string& Load();
 
   // After a successful Load(): the index of the export that serves `kernels` with gate variant
-  // `gate_variant` on `device` (a CUDA ordinal), or -1 with `*error` naming the device, its compute
-  // capability and what would serve it.
+  // `gate_variant` on `device` (a CUDA ordinal), or -1 with `*error`: the device's load error, or
+  // its compute capability and what would serve it.
   int Resolve(contract::Kernels kernels, int gate_variant, int device, std::string* error) const;
 
   // The number of SMs of `device` after a successful Load() (0 for an unknown ordinal).
@@ -74,6 +77,7 @@ class KernelModules {
   std::string load_error_;
   struct Device {
     int major = 0, minor = 0, multiprocessors = 0;
+    std::string load_error;  // loading an object onto this device failed: why (empty otherwise)
     // Per contract::Kernels and gate variant: the export's index, or -1.
     std::array<std::array<int, contract::kNumGateVariants>, contract::kNumKernels> exports{};
   };

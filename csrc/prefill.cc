@@ -15,11 +15,6 @@ using contract::Phase;
 
 bool Has(int32_t flags, Flag flag) { return (flags & static_cast<int32_t>(flag)) != 0; }
 
-bool ReadsALog(GateMode mode) {
-  for (GateMode m : contract::kGateModesWithALog) if (m == mode) return true;
-  return false;
-}
-
 // The generated headers differ only in the prefix of their names: one traits struct per export.
 #define JAX_KDA_PREFILL_TRAITS(P, OBJECT, ARCH, GATE_VARIANT)                                       \
   struct P##_traits {                                                                             \
@@ -76,7 +71,7 @@ cudaError_t Launch(const PrefillParams& p, cudaStream_t stream) {
   auto beta = TokenMajor<typename T::Beta>(p.beta, p.total_tokens, p.num_v_heads, 1);
   auto a_log = ReadsALog(gate_mode) ? typename T::ALog{const_cast<float*>(p.a_log), {p.num_v_heads}}
                                     : Unread<typename T::ALog>(p.q);
-  auto dt_bias = gate_mode != GateMode::kPreactivated
+  auto dt_bias = ReadsDtBias(gate_mode)
                      ? typename T::DtBias{const_cast<float*>(p.dt_bias), {p.num_v_heads}}
                      : Unread<typename T::DtBias>(p.q);
   auto cu_seqlens = Has(p.flags, Flag::kVarlen)
@@ -107,7 +102,8 @@ const LaunchFn kLaunches[] = {JAX_KDA_FOR_EACH_KERNEL_OBJECT(JAX_KDA_PREFILL_LAU
 }  // namespace
 
 KernelModules& PrefillModules() {
-  static KernelModules modules(kPrefillObjects);
+  // Never destroyed: XLA's threads may still run an execute handler while the process exits.
+  static KernelModules& modules = *new KernelModules(kPrefillObjects);
   return modules;
 }
 

@@ -63,6 +63,18 @@ inline int64_t PrefillWorkspaceBytes(int64_t total_tokens, int64_t num_sequences
          units * contract::kUnitTableEntryBytes;
 }
 
+// Whether a gate mode reads A_log / dt_bias (contract GATE_MODES_WITH_A_LOG / _DT_BIAS): the FFI
+// handler checks those operands' sizes and alignment, and the launch gives the kernels their views,
+// from the same answer.
+inline bool ReadsALog(contract::GateMode mode) {
+  for (contract::GateMode m : contract::kGateModesWithALog) if (m == mode) return true;
+  return false;
+}
+inline bool ReadsDtBias(contract::GateMode mode) {
+  for (contract::GateMode m : contract::kGateModesWithDtBias) if (m == mode) return true;
+  return false;
+}
+
 // The process-wide loader of the prefill kernel objects (kda_kernel_objects.h).
 KernelModules& PrefillModules();
 
