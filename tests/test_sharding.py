@@ -180,27 +180,20 @@ def test_explicit_sharding_reshards_replicated_parameters_and_states(batch, head
     _assert_close(got, want)
 
 
-def test_explicit_sharding_of_another_operand_than_q_is_an_error():
-    """q replicated while v, g and beta are split over heads: which split was meant is ambiguous."""
-    w = W("explicit_q_replicated", batch=1, seqlen=32, heads=4, **KDA)
+@pytest.mark.parametrize("axis,specs,match", [
+    # T split: the recurrence needs whole sequences.
+    ("seq", [P(None, "seq")] * 5, r"cannot split T or K across devices"),
+    # q replicated while v, g and beta are split over heads: which split was meant is ambiguous.
+    ("model", [P()] * 2 + [P(None, None, "model")] * 3, r"v is sharded .* but q is replicated"),
+], ids=["token_axis", "q_replicated"])
+def test_explicit_shardings_the_call_cannot_honour_are_errors(axis, specs, match):
+    w = W("explicit_error", batch=1, seqlen=64, heads=4, **KDA)
     args, kwargs = make_inputs(w, np.random.default_rng(0))
     arrays, static = _split(kwargs)
-    mesh = _mesh((4,), ("model",), kind=AxisType.Explicit, count=4)
+    mesh = _mesh((4,), (axis,), kind=AxisType.Explicit, count=4)
     with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
-        specs = [P()] * 2 + [P(None, None, "model")] * 3
         sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
-        with pytest.raises(ValueError, match=r"v is sharded .* but q is replicated"):
-            jax.jit(lambda a: jax_kda.prefill(*a, **arrays, **static))(sharded)
-
-
-def test_explicit_sharding_of_the_token_axis_is_an_error():
-    w = W("t_sharded", batch=1, seqlen=64, heads=2, **KDA)
-    args, kwargs = make_inputs(w, np.random.default_rng(0))
-    arrays, static = _split(kwargs)
-    mesh = _mesh((4,), ("seq",), kind=AxisType.Explicit, count=4)
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
-        sharded = [jax.device_put(x, NamedSharding(mesh, P(None, "seq"))) for x in args]
-        with pytest.raises(ValueError, match=r"cannot split T or K across devices"):
+        with pytest.raises(ValueError, match=match):
             jax.jit(lambda a: jax_kda.prefill(*a, **arrays, **static))(sharded)
 
 
