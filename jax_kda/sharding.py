@@ -109,8 +109,8 @@ def sharding_rule(cfg: PrefillConfig, fields: tuple[str, ...], ranks: tuple[int,
 def can_partition(axis_context) -> bool:
     """Whether a lowering with `axis_context` may be partitioned by custom_partitioning: a program
     over several concrete devices, not fully inside a shard_map. Without concrete devices
-    custom_partitioning cannot run, so a program with several
-    devices there is left to XLA (gathered), with a warning that says to use shard_map. (jax.export
+    custom_partitioning cannot run, so a program with several devices there is left to XLA
+    (gathered), with a warning that says to use shard_map. (jax.export
     of a NamedSharding program does not come here: it lowers with concrete devices and then cannot
     serialize the callback; docs/prefill.md, "Which forms export".)"""
     from jax._src import sharding_impls
@@ -121,7 +121,8 @@ def can_partition(axis_context) -> bool:
         if axis_context.device_assignment is None:
             if axis_context.num_devices > 1:
                 logger.warning("jax_kda.prefill: lowered for %d devices without concrete devices: the call "
-                               "is not partitioned, its sharded inputs are gathered; use jax.shard_map (or explicit sharding) for a sharded program that exports",
+                               "is not partitioned, its sharded inputs are gathered; use jax.shard_map (or "
+                               "explicit sharding) for a sharded program that exports",
                                axis_context.num_devices)
             return False
         return len(axis_context.device_assignment) > 1
@@ -202,20 +203,8 @@ def explicit_shard_map(local_call, cfg: PrefillConfig, fields, leaves, mesh, spl
     local = local_config(cfg, _axis_size(mesh, split.batch), _axis_size(mesh, split.heads))
     body = functools.partial(local_call, local)
     # The split is q's; the other operands (a replicated A_log or state, say) are resharded to it, as
-    # an operand of another sharding would be under auto axes.
-    leaves = [leaf if _has_spec(leaf, spec) else jax.sharding.reshard(leaf, spec)
-              for leaf, spec in zip(leaves, in_specs)]
+    # an operand of another sharding would be under auto axes (a no-op for those already split so).
+    leaves = [jax.sharding.reshard(leaf, spec) for leaf, spec in zip(leaves, in_specs)]
     return jax.shard_map(lambda *xs: tuple(body(*xs)), mesh=mesh, in_specs=tuple(in_specs),
                          out_specs=tuple(out_specs))(*leaves)
 
-
-def _has_spec(x, spec) -> bool:
-    """Whether x's type already carries `spec` (trailing Nones aside)."""
-    def norm(s):
-        s = list(s)
-        while s and s[-1] is None:
-            s.pop()
-        return tuple(s)
-
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    return sharding is not None and norm(sharding.spec) == norm(spec)
