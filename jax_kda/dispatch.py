@@ -40,6 +40,8 @@ class Device:
     def __str__(self) -> str:
         if self.platform != "gpu":
             return f"{self.platform} device"
+        if self.compute_capability is None:
+            return "CUDA GPU of unknown compute capability"
         return f"{self.device_kind or 'CUDA GPU'} (compute capability {self.compute_capability})"
 
 
@@ -122,14 +124,24 @@ def default_device() -> Device | None:
     return as_device(device)
 
 
+# Names of the CUDA platform: jax calls it "gpu" (Device.platform) and also accepts "cuda".
+CUDA_PLATFORM_NAMES = ("gpu", "cuda")
+
+
 def as_device(device) -> Device:
-    """A `Device` from a jax device, a `Device`, or a compute capability string such as "10.3"."""
+    """A `Device` from a jax device, a `Device`, a compute capability string such as "10.3", or a
+    platform name ("gpu" / "cuda", "cpu", "tpu", ...): this host's first device of that platform if
+    it has one, else the platform alone (a CUDA GPU then has no compute capability)."""
     if isinstance(device, Device):
         return device
     if isinstance(device, str):
         if device[:1].isdigit():
             return Device("gpu", device, device_kind="NVIDIA GPU")
-        return Device(device)
+        platform = device.lower()
+        try:
+            return as_device(jax.devices(platform)[0])
+        except RuntimeError:  # no such backend on this host
+            return Device("gpu" if platform in CUDA_PLATFORM_NAMES else platform)
     return Device(device.platform, getattr(device, "compute_capability", None),
                   getattr(device, "core_count", None) or planner.DEFAULT_NUM_SMS, getattr(device, "device_kind", ""))
 
@@ -163,14 +175,17 @@ def decide(cfg: PrefillConfig, requested: str, device=None, *, strict: bool = Tr
       ValueError: with `strict`, an explicitly requested kernel backend cannot serve the call's
         arguments or this installation (the message names the argument and the limit).
     """
-    device = default_device() if device is None else as_device(device)
+    defaulted = device is None
+    device = default_device() if defaulted else as_device(device)
     where = None if device is None else str(device)
     if requested == "xla":
         return Decision(requested, "xla", device=where)
     reasons = argument_limits(cfg) + build_limits()
     if requested == "auto":
         if not reasons and device is not None and device.platform == "gpu" and device_backend(device) is None:
-            reasons.append(f"no jax_kda kernel for the default device, a {device}")
+            reasons.append(f"no jax_kda kernel for {'the default device, ' if defaulted else ''}a {device}"
+                           + ("" if device.compute_capability else
+                              " (pass the device, or its compute capability such as device=\"9.0\")"))
         if reasons:
             decision = Decision(requested, "xla", tuple(reasons), where)
             logger.debug("jax_kda.prefill: %s", decision)
@@ -184,8 +199,12 @@ def decide(cfg: PrefillConfig, requested: str, device=None, *, strict: bool = Tr
         return Decision(requested, "unavailable", tuple(reasons), where)
     if device_backend(device) != requested:
         needs = " or ".join(contract.compute_capabilities(kernels))
-        reasons.append(f"{requested} runs on compute capability {needs}; on a {device} the kernels' custom call "
-                       "fails at run time (lowered for another platform: an error when lowering)")
+        if device is not None and device.platform == "gpu" and device.compute_capability is None:
+            reasons.append(f"{requested} runs on compute capability {needs}; this GPU's is not known (pass the "
+                           "device, or its compute capability such as device=\"9.0\")")
+        else:
+            reasons.append(f"{requested} runs on compute capability {needs}; on a {device} the kernels' custom "
+                           "call fails at run time (lowered for another platform: an error when lowering)")
         return Decision(requested, "unavailable", tuple(reasons), where, plan_for(cfg, device), kernels,
                         num_sms_of(device))
     return Decision(requested, requested, (), where, plan_for(cfg, device), kernels, num_sms_of(device))

@@ -162,3 +162,36 @@ def test_a_dense_batch_too_wide_for_one_slot_takes_the_xla_path(built):
     d = dispatch.decide(cfg(limit - 1), "auto", "cpu")
     assert d.kernels == Kernels.FOR_DEVICE and not d.reasons
     assert d.plan.piece_len == 16 and (2 * (limit - 1)) * 16 < contract.MAX_WORKSPACE_ROWS
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda", "GPU"])
+def test_explain_takes_the_cuda_platform_by_either_name(built, name):
+    """jax calls the CUDA platform "gpu" and also accepts "cuda": both mean the GPU, never "some
+    other platform" (which would report the XLA path with no reason). On a host without a GPU its
+    compute capability is unknown, and the reason says how to give it."""
+    x = S((1, 1024, 4, 128), jnp.bfloat16)
+    beta = S((1, 1024, 4), jnp.bfloat16)
+    d = jax_kda.explain(x, x, x, x, beta, device=name)
+    try:
+        gpu = dispatch.as_device(jax.devices("gpu")[0])
+    except RuntimeError:
+        gpu = None
+    if gpu is not None:  # this host's first GPU, as its jax device says
+        assert d == jax_kda.explain(x, x, x, x, beta, device=jax.devices("gpu")[0])
+        return
+    assert d.backend == "xla" and d.device == "CUDA GPU of unknown compute capability"
+    assert d.reasons == ('no jax_kda kernel for a CUDA GPU of unknown compute capability (pass the device, '
+                         'or its compute capability such as device="9.0")',)
+    d = jax_kda.explain(x, x, x, x, beta, device=name, backend="sm90")
+    assert d.backend == "unavailable" and "this GPU's is not known" in d.reasons[0]
+
+
+def test_explain_names_the_default_device_only_when_it_used_it(built, monkeypatch):
+    x = S((1, 1024, 4, 128), jnp.bfloat16)
+    beta = S((1, 1024, 4), jnp.bfloat16)
+    rtx_blackwell = dispatch.Device("gpu", "12.0", 84, "NVIDIA RTX PRO")
+    monkeypatch.setattr(dispatch, "default_device", lambda: rtx_blackwell)
+    assert jax_kda.explain(x, x, x, x, beta).reasons == (
+        "no jax_kda kernel for the default device, a NVIDIA RTX PRO (compute capability 12.0)",)
+    assert jax_kda.explain(x, x, x, x, beta, device=rtx_blackwell).reasons == (
+        "no jax_kda kernel for a NVIDIA RTX PRO (compute capability 12.0)",)
