@@ -12,6 +12,7 @@ float64 token recurrence (the metric of FLA and FlashKDA: RMS(err) / RMS(gold)).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -42,6 +43,9 @@ def main():
     kwargs["backend"] = args.backend
 
     print(f"jax {jax.__version__}, device: {jax.devices()[0].device_kind}")
+    if not on_gpu and os.path.exists("/dev/nvidiactl"):
+        print("note: this machine has an NVIDIA GPU, but this jax has no CUDA backend, so everything runs on "
+              "the CPU; install jax with CUDA (pip install 'jax[cuda13]', or '.[cuda]' from the checkout)")
     print(f"prefill: {len(lengths)} packed prompts {lengths}, {args.heads} heads x 128, softplus gate, bf16")
     print(f"decision: {jax_kda.explain(*inputs, **kwargs)}")
 

@@ -58,7 +58,8 @@ def prefill(
       g: `[B, T, HV, K]`: the log-decay (<= 0), or the raw gate with `use_gate_in_kernel`.
       beta: `[B, T, HV]`: the update strength, or its logits with `use_beta_sigmoid_in_kernel`.
       scale: output scale; default K ** -0.5.
-      initial_state: `[N, HV, K, V]` (or `[N, HV, V, K]` with `state_v_first`), fp32.
+      initial_state: `[N, HV, K, V]` (or `[N, HV, V, K]` with `state_v_first`), any float (fp32
+        for the kernels); the final state is fp32.
       output_final_state: also return the state after the last token of each sequence.
       cu_seqlens: `[N + 1]` int32/int64 offsets of packed sequences in T (requires B == 1). May be
         traced; its values are never read on the host. Zero-length sequences are allowed (their
@@ -71,7 +72,8 @@ def prefill(
         `lower_bound`, -exp(A_log) softplus(g + dt_bias); with `lower_bound`,
         lower_bound * sigmoid(exp(A_log) (g + dt_bias)), or without `A_log`
         lower_bound * sigmoid(g + dt_bias).
-      A_log: `[HV]` fp32. dt_bias: `[HV, K]` or `[HV * K]` fp32 (default zeros).
+      A_log: `[HV]`. dt_bias: `[HV, K]` or `[HV * K]` (default zeros). Any float (the kernels
+        read them as fp32).
       lower_bound: float in [-5, 0).
       use_beta_sigmoid_in_kernel: apply sigmoid to beta.
       state_v_first: states are laid out `[N, HV, V, K]`.

@@ -202,9 +202,12 @@ def decide(cfg: PrefillConfig, requested: str, device=None, *, strict: bool = Tr
         if device is not None and device.platform == "gpu" and device.compute_capability is None:
             reasons.append(f"{requested} runs on compute capability {needs}; this GPU's is not known (pass the "
                            "device, or its compute capability such as device=\"9.0\")")
+        elif device is not None and device.platform != "gpu":
+            reasons.append(f"{requested} runs on compute capability {needs}; lowering it for the {device.platform} "
+                           "platform is an error (ValueError)")
         else:
             reasons.append(f"{requested} runs on compute capability {needs}; on a {device} the kernels' custom "
-                           "call fails at run time (lowered for another platform: an error when lowering)")
+                           "call fails at run time")
         return Decision(requested, "unavailable", tuple(reasons), where, plan_for(cfg, device), kernels,
                         num_sms_of(device))
     return Decision(requested, requested, (), where, plan_for(cfg, device), kernels, num_sms_of(device))

@@ -195,3 +195,17 @@ def test_explain_names_the_default_device_only_when_it_used_it(built, monkeypatc
         "no jax_kda kernel for the default device, a NVIDIA RTX PRO (compute capability 12.0)",)
     assert jax_kda.explain(x, x, x, x, beta, device=rtx_blackwell).reasons == (
         "no jax_kda kernel for a NVIDIA RTX PRO (compute capability 12.0)",)
+
+
+def test_explain_says_how_an_explicit_backend_fails_off_its_gpu(built):
+    """Lowered for another platform, an explicit kernel backend is a lowering error; on a GPU of
+    another compute capability, the custom call's error at run time."""
+    x = S((1, 1024, 4, 128), jnp.bfloat16)
+    beta = S((1, 1024, 4), jnp.bfloat16)
+    (reason,) = jax_kda.explain(x, x, x, x, beta, backend="sm90", device=dispatch.Device("cpu")).reasons
+    assert reason == "sm90 runs on compute capability 9.0; lowering it for the cpu platform is an error (ValueError)"
+    with pytest.raises(ValueError, match="lowered for cpu"):
+        jax.jit(lambda *a: jax_kda.prefill(*a, backend="sm90")).lower(x, x, x, x, beta)
+    (reason,) = jax_kda.explain(x, x, x, x, beta, backend="sm90", device="10.0").reasons
+    assert reason == ("sm90 runs on compute capability 9.0; on a NVIDIA GPU (compute capability 10.0) the "
+                      "kernels' custom call fails at run time")
