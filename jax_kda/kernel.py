@@ -295,12 +295,18 @@ def _batch(args, dims, *, tree, fields, cfg, kernels, num_sms, num_segments):
     if kernels is None:
         out = jax.vmap(functools.partial(_xla_calls, tree=tree, cfg=cfg), in_axes=tuple(dims))(*args)
         return out, [0] * len(out)
-    # An operand vmap does not map has dimension None (jax >= 0.12 no longer names it not_mapped).
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
-             for a, d in zip(args, dims)]
+    # An operand vmap does not map has dimension None (jax >= 0.12 no longer names it not_mapped): it
+    # is passed to every call as it is, not copied per element.
+    mapped = [i for i, d in enumerate(dims) if d is not None]
     params = dict(tree=tree, fields=fields, cfg=cfg, kernels=kernels, num_sms=num_sms, num_segments=num_segments)
-    results = jax.lax.map(lambda xs: prefill_p.bind(*xs, **params), moved)
+
+    def one_call(xs):
+        operands = list(args)
+        for i, x in zip(mapped, xs):
+            operands[i] = x
+        return prefill_p.bind(*operands, **params)
+
+    results = jax.lax.map(one_call, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
     return results, [0] * len(results)
 
 
