@@ -141,10 +141,18 @@ def test_prefill_and_explain_make_the_same_decision(built, monkeypatch):
 
 
 def test_default_device_honours_jax_default_device(monkeypatch):
+    """Without jax.default_device, the first device (here a stand-in GPU listed first); with it, that
+    device (the CPU), as a jax device or as a platform name."""
+    import types
+
+    gpu = types.SimpleNamespace(platform="gpu", compute_capability="9.0", core_count=132, device_kind="NVIDIA H200")
     cpu = jax.devices("cpu")[0]
-    assert dispatch.default_device().platform == "cpu"
-    with jax.default_device(cpu):
-        assert dispatch.default_device().platform == "cpu"
+    real_devices = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda *a: real_devices(*a) if a else [gpu, cpu])
+    assert dispatch.default_device() == HOPPER
+    for default in (cpu, "cpu"):
+        with jax.default_device(default):
+            assert dispatch.default_device().platform == "cpu"
 
 
 def test_a_dense_batch_too_wide_for_one_slot_takes_the_xla_path(built):

@@ -114,9 +114,15 @@ def test_unknown_backend_name():
 
 
 def test_python_list_cu_seqlens_is_accepted(fresh_seed):
+    """A list is the same offsets as an array: two sequences, the second starting from a zero state
+    (not the 12 tokens as one sequence)."""
     q = jnp.asarray(np.random.default_rng(fresh_seed).standard_normal((1, 12, 1, 8)), jnp.float32)
-    o, _ = jax_kda.prefill(q, q, q, -jnp.abs(q), q[..., 0] * 0 + 0.5, cu_seqlens=[0, 5, 12], backend="xla")
-    assert o.shape == (1, 12, 1, 8) and bool(jnp.all(jnp.isfinite(o)))
+    args = (q, q, q, -jnp.abs(q), q[..., 0] * 0 + 0.5)
+    o, _ = jax_kda.prefill(*args, cu_seqlens=[0, 5, 12], backend="xla")
+    o_array, _ = jax_kda.prefill(*args, cu_seqlens=jnp.asarray([0, 5, 12], jnp.int32), backend="xla")
+    second, _ = jax_kda.prefill(*(a[:, 5:] for a in args), backend="xla")
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_array))
+    np.testing.assert_allclose(np.asarray(o[:, 5:]), np.asarray(second), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kdim,vdim", [(0, 8), (8, 0)])
