@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import _native
+from jax_kda import _native, contract
 from jax_kda.contract import Kernels
 from jax_kda.testing import SEGMENTED_MATRIX, ACCURACY_MATRIX, check_against_gold, make_inputs, prefill_with_kernels
 
@@ -28,17 +28,19 @@ def _gpu_compute_capability() -> str | None:
     return getattr(gpus[0], "compute_capability", None) if gpus else None
 
 
-def _kernel_backend(name: str, kernels: Kernels, capability: str):
-    """A kernel backend as a pytest param: marked gpu, skipped without that GPU or the extension."""
-    found = _gpu_compute_capability()
-    reason = _native.unavailable_reason() if found == capability else f"needs a compute capability {capability} GPU"
+def _kernel_backend(name: str, kernels: Kernels):
+    """A kernel backend as a pytest param: marked gpu, skipped without a GPU it runs on (any compute
+    capability the contract gives it: sm100 on 10.0, 10.3 and 11.0) or the extension."""
+    capabilities = contract.compute_capabilities(kernels)
+    reason = (_native.unavailable_reason() if _gpu_compute_capability() in capabilities
+              else f"needs a compute capability {' / '.join(capabilities)} GPU")
     return pytest.param(kernels, id=name, marks=[pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=str(reason))])
 
 
 KERNEL_BACKENDS = [
-    _kernel_backend("sm90", Kernels.SM90, "9.0"),
-    _kernel_backend("mma_sync_on_sm90", Kernels.MMA_SYNC_ON_SM90, "9.0"),
-    _kernel_backend("sm100", Kernels.SM100, "10.0"),
+    _kernel_backend("sm90", Kernels.SM90),
+    _kernel_backend("mma_sync_on_sm90", Kernels.MMA_SYNC_ON_SM90),
+    _kernel_backend("sm100", Kernels.SM100),
 ]
 BACKENDS = [pytest.param(None, id="xla"), *KERNEL_BACKENDS]
 
