@@ -148,11 +148,12 @@ def explain(q, k, v, g, beta, *, device=None, **kwargs) -> dispatch.Decision:
     """Which backend `prefill(q, k, v, g, beta, **kwargs)` runs on `device`, and why.
 
     Takes exactly `prefill`'s arguments (arrays or `jax.ShapeDtypeStruct`s), plus `device`: a jax
-    device, a compute capability such as "9.0" or "10.3", or a platform name such as "cpu" or "gpu"
-    ("cuda" too): that platform's first device on this host (default: the default device). It
-    makes the same decision as `prefill` (`dispatch.decide`) but never raises for an ineligible
-    kernel backend: every reason is in the result, the argument limits even on a CPU host. When the call lowers to the kernels on CUDA, the result carries the
-    planner's `plan` (V split, and the segments of intracard context parallelism).
+    device, a compute capability such as "9.0" or "10.3", or a platform name: "gpu" (or "cuda") is
+    this host's first GPU, "cpu", "tpu", ... that platform (default: the default device). It makes
+    the same decision as `prefill` (`dispatch.decide`) but never raises for an ineligible kernel
+    backend: every reason is in the result, the argument limits even on a CPU host. When the call
+    lowers to the kernels on CUDA, the result carries the planner's `plan` (V split, and the
+    segments of intracard context parallelism).
     """
     # The arrays as prefill computes with them (numpy float64 becomes float32 unless x64 is on).
     q, k, v, g, beta = (_as_array(x) for x in (q, k, v, g, beta))

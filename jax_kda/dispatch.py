@@ -130,18 +130,21 @@ CUDA_PLATFORM_NAMES = ("gpu", "cuda")
 
 def as_device(device) -> Device:
     """A `Device` from a jax device, a `Device`, a compute capability string such as "10.3", or a
-    platform name ("gpu" / "cuda", "cpu", "tpu", ...): this host's first device of that platform if
-    it has one, else the platform alone (a CUDA GPU then has no compute capability)."""
+    platform name: "gpu" / "cuda" is this host's first GPU if it has one, else a GPU of unknown
+    compute capability; any other name ("cpu", "tpu", ...) is that platform (which is all the
+    decision needs of it, and no backend is initialized for it)."""
     if isinstance(device, Device):
         return device
     if isinstance(device, str):
         if device[:1].isdigit():
             return Device("gpu", device, device_kind="NVIDIA GPU")
         platform = device.lower()
+        if platform not in CUDA_PLATFORM_NAMES:
+            return Device(platform)
         try:
-            return as_device(jax.devices(platform)[0])
-        except RuntimeError:  # no such backend on this host
-            return Device("gpu" if platform in CUDA_PLATFORM_NAMES else platform)
+            return as_device(jax.devices("gpu")[0])
+        except RuntimeError:  # no GPU backend on this host
+            return Device("gpu")
     return Device(device.platform, getattr(device, "compute_capability", None),
                   getattr(device, "core_count", None) or planner.DEFAULT_NUM_SMS, getattr(device, "device_kind", ""))
 
