@@ -48,8 +48,9 @@ def prefill(
     The kernels (Hopper: compute capability 9.0; Blackwell: 10.0, 10.3, 11.0) serve K == V == 128,
     q, k, v in bfloat16, g and beta each in bfloat16 or float32, an fp32 state, (N + 1) * HV < 2^20
     (dense: 2 * B * HV) and at most 65535 sequences and value heads, any T (a call past one
-    workspace is cut along T, the state carried); everything else runs on the XLA path. Their forward is a kernel; derivatives
-    (`jax.grad`, `jax.vjp`, `jax.jvp`) are the XLA path's, recomputed (there is no backward kernel).
+    workspace is cut along T, the state carried); everything else runs on the XLA path. Their
+    forward is a kernel; derivatives (`jax.grad`, `jax.vjp`, `jax.jvp`) are the XLA path's,
+    recomputed (there is no backward kernel).
 
     Args:
       q, k: `[B, T, H, K]`.
