@@ -16,6 +16,7 @@ CASES = ["t17", "packed_mixed"]
 
 def test_same_seed_same_bytes_and_a_changed_byte_is_found():
     seed = int(np.random.default_rng().integers(1 << 20))
+    print(f"seed {seed}")
     first = compare_outputs.run_cases(seed, "xla", CASES)
     assert sorted(first) == ["packed_mixed/xla/final", "packed_mixed/xla/o", "t17/xla/final", "t17/xla/o"]
     assert compare_outputs.differing(first, compare_outputs.run_cases(seed, "xla", CASES)) == []
