@@ -3,6 +3,9 @@
 #
 #   step NAME COMMAND...       runs COMMAND into $logs/NAME.log; a failure is printed and recorded
 #   sanitize TOOL COMMAND...   compute-sanitizer --tool TOOL COMMAND... as the step sanitizer-TOOL
+#   wanted_steps STEP...       checks $GPU_STEPS (default: all the STEPs) names only these; 1 if not
+#   wanted STEP                whether $GPU_STEPS names STEP
+#   checkout_paths "PATH..."   each path (relative to the checkout, $here) made absolute
 #
 # compute-sanitizer starts every run with its banner ("COMPUTE-SANITIZER") and ends every run it
 # completes with a summary line ("ERROR SUMMARY: ...", "RACECHECK SUMMARY: ..."), findings or none.
@@ -30,4 +33,23 @@ sanitize() {
        "its log is $logs/$name.incomplete.log. Running it once more."
   status=$before
   step "$name" compute-sanitizer --tool "$tool" "$@"
+}
+
+wanted_steps() {
+  local name
+  GPU_STEPS=${GPU_STEPS:-$*}
+  for name in $GPU_STEPS; do
+    case " $* " in *" $name "*) ;; *)
+      echo "GPU_STEPS: unknown step '$name' (the steps: $*)" >&2; return 1 ;;
+    esac
+  done
+}
+
+wanted() {
+  case " $GPU_STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac
+}
+
+checkout_paths() {
+  local path
+  for path in $1; do echo "$here/$path"; done
 }

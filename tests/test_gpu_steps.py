@@ -81,3 +81,33 @@ def test_two_wheels_are_refused_before_anything_is_installed(tmp_path):
     assert run.returncode == 2 and "installed" not in run.stdout, run
     assert "got two wheels" in run.stderr and "linux" in run.stderr
     assert not any(tmp_path.glob("*.whl/"))  # no log folder made from a wheel's name
+
+
+@pytest.mark.parametrize("steps, ran", [
+    (None, "tests memcheck racecheck demo"),  # unset: every step
+    ("memcheck demo", "memcheck demo"),
+    ("demo  tests", "tests demo"),           # the script's order, whatever the variable's
+])
+def test_gpu_steps_selects_steps(steps, ran):
+    env = {k: v for k, v in os.environ.items() if k != "GPU_STEPS"}
+    if steps is not None:
+        env["GPU_STEPS"] = steps
+    script = (f"source {STEPS}; wanted_steps tests memcheck racecheck demo || exit 9; "
+              "for s in tests memcheck racecheck demo; do wanted $s && echo $s; done")
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ran.split()
+
+
+def test_an_unknown_gpu_step_is_refused_before_anything_runs(tmp_path):
+    """A misspelt step would otherwise run nothing and pass: run_gpu.sh exits 2 before it installs."""
+    run = subprocess.run(["bash", str(STEPS.parent / "run_gpu.sh"), str(tmp_path / "jax_kda.whl")],
+                         env=dict(os.environ, GPU_STEPS="tests racechek"), capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert run.returncode == 2 and "unknown step 'racechek'" in run.stderr, run
+    assert not (tmp_path / "gpu-logs").exists()
+
+
+def test_checkout_paths_are_made_absolute():
+    script = f'here=/checkout; source {STEPS}; checkout_paths "tests/a.py tests"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["/checkout/tests/a.py", "/checkout/tests"]
