@@ -65,8 +65,8 @@ def _segment_summaries(q, k, v, g, beta, offsets, kwargs):
 
 
 @pytest.mark.parametrize("with_initial_state", [False, True])
-def test_segment_summaries_combine_to_the_unsegmented_recurrence(with_initial_state):
-    rng = np.random.default_rng()
+def test_segment_summaries_combine_to_the_unsegmented_recurrence(with_initial_state, fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     t, h, hv, d = 177, 1, 2, 32
     cu = np.array([0, 50, 50, 177])
     n, n_seg, seg_len = 3, 3, 48

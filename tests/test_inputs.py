@@ -31,9 +31,10 @@ def _split(inputs):
 
 
 @pytest.mark.parametrize("w", CASES, ids=lambda w: w.name)
-def test_device_draws_match_the_host_draws_in_shape_dtype_and_distribution(w):
-    host, host_static = _split(make_inputs(w, np.random.default_rng()))
-    device, device_static = _split(make_inputs(w, np.random.default_rng(), on_device=True))
+def test_device_draws_match_the_host_draws_in_shape_dtype_and_distribution(w, fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
+    host, host_static = _split(make_inputs(w, rng))
+    device, device_static = _split(make_inputs(w, rng, on_device=True))
     assert host.keys() == device.keys() and host_static == device_static
     for name, h in host.items():
         d = device[name]
@@ -57,19 +58,20 @@ def test_device_draws_match_the_host_draws_in_shape_dtype_and_distribution(w):
             assert d64.std() == pytest.approx(h64.std(), rel=6 / np.sqrt(n)), (name, d64.std(), h64.std())
 
 
-def test_device_draws_keep_the_gate_ranges():
+def test_device_draws_keep_the_gate_ranges(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     w = Workload("pre", gate="preactivated", decay_floor=-30.0, long_memory=True, seqlen=256, heads=4,
                  head_k=64, head_v=64)
-    g = np.asarray(make_inputs(w, np.random.default_rng(), on_device=True)[0][3], np.float64)
+    g = np.asarray(make_inputs(w, rng, on_device=True)[0][3], np.float64)
     assert g.max() < 0 and g.min() >= -30.0 * 1.01  # log-decays in [decay_floor, 0)
     w = dataclasses.replace(w, beta_sigmoid=False)
-    beta = np.asarray(make_inputs(w, np.random.default_rng(), on_device=True)[0][4], np.float64)
+    beta = np.asarray(make_inputs(w, rng, on_device=True)[0][4], np.float64)
     assert beta.min() >= 0.05 - 1e-3 and beta.max() <= 1.0
 
 
-def test_each_call_and_each_array_draws_fresh_values_on_the_device():
+def test_each_call_and_each_array_draws_fresh_values_on_the_device(fresh_seed):
     w = ACCURACY_MATRIX[4]  # 17 tokens
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed)
     (q1, k1, *_), _ = make_inputs(w, rng, on_device=True)
     (q2, *_), _ = make_inputs(w, rng, on_device=True)
     assert q1.dtype == jnp.bfloat16
