@@ -9,6 +9,7 @@ path's, around the kernel forward).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -360,3 +361,54 @@ def test_a_call_cut_along_t_carries_the_state_between_pieces(w, kernels, monkeyp
     args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
     o, final = prefill_with_kernels(kernels, *args, **kwargs)
     check_against_gold(f"{w.name} in pieces of 64 [{kernels.name}]", w, args, kwargs, o, final)
+
+
+_CONTRACT_FAULTS = {
+    # What prefill's own custom call gets instead of what the contract asks, and the handler's answer.
+    "A_log one element too many": ("A_log", "A_log must have HV elements"),
+    "dt_bias one element too many": ("dt_bias", r"dt_bias must have HV \* 128 elements"),
+    "workspace 16 bytes short": ("workspace", r"workspace has \d+ bytes, needs \d+"),
+}
+
+
+@requires_hopper
+@pytest.mark.parametrize("fault", list(_CONTRACT_FAULTS))
+def test_the_handler_refuses_operands_off_the_contract(fault, monkeypatch, fresh_seed):
+    """The FFI handler checks every operand's size against the call's shape before it launches
+    anything: prefill's own custom call, with one operand off by a little, fails with the handler's
+    message instead of running the kernels over a buffer of the wrong size."""
+    from jax_kda import kernel
+
+    operand, message = _CONTRACT_FAULTS[fault]
+    real = kernel._custom_call
+
+    def off_the_contract(cfg, plan, kernels, phase, operands, **flags):
+        if operand == "workspace":
+            plan = dataclasses.replace(plan, workspace_bytes=plan.workspace_bytes - 16)
+        else:
+            operands = dict(operands, **{operand: jnp.concatenate([operands[operand], jnp.zeros((1,), jnp.float32)])})
+        return real(cfg, plan, kernels, phase, operands, **flags)
+
+    w = W("contract", seqlens=(40, 17), gate="lower_bound", **D)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    o, final = jax_kda.prefill(*args, backend="sm90", **kwargs)  # the contract kept: it runs
+    check_against_gold(w.name, w, args, kwargs, o, final)
+    monkeypatch.setattr(kernel, "_custom_call", off_the_contract)
+    call = jax.jit(lambda *a: jax_kda.prefill(*a, backend="sm90", **kwargs))  # a new jit: lowered anew
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(call(*args))
+
+
+@requires_hopper
+@pytest.mark.parametrize("w", [W("xla_dense", batch=2, seqlen=200, heads=2, **D),
+                               W("xla_packed_f32_gates", seqlens=(40, 0, 170), heads=2, g_dtype="float32",
+                                 beta_dtype="float32", state_v_first=True, **D),
+                               W("xla_long_memory", seqlen=300, heads=2, long_memory=True, **D)],
+                         ids=lambda w: w.name)
+def test_the_xla_path_on_the_gpu_meets_the_same_bar(w, fresh_seed):
+    """backend="xla" on the GPU (its matmuls at HIGHEST precision, not the GPU's TF32 default)
+    against the float64 recurrence, with the kernels' bar: the fallback and the derivatives' path."""
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    o, final = jax.jit(lambda *a: jax_kda.prefill(*a, backend="xla", **kwargs))(*args)
+    assert o.devices() == {jax.devices()[0]}
+    check_against_gold(f"{w.name} [xla on the GPU]", w, args, kwargs, o, final)

@@ -90,7 +90,13 @@ def test_on_hopper_the_training_step_runs_the_kernel_forward_with_the_xla_paths_
     assert f"stablehlo.custom_call @{contract.FFI_TARGET}" in step.lower(params, x, y).as_text()
     value, grads, _ = step(params, x, y)
     want_value, want_grads, _ = reference(params, x, y)
-    assert abs(float(value) - float(want_value)) <= 1e-2 * abs(float(want_value))
+    # The layer's output, not the loss: y dominates the loss (a zero o moved it by 0.02 %), so a
+    # relative bar on the loss could not fail.
+    pred, want_pred = (jax.jit(lambda p, x, b=b: _layer(p, x, b))(params, x) for b in (None, "xla"))
+    err = gold.err_ratio(np.asarray(pred, np.float64), np.asarray(want_pred, np.float64))
+    print(f"training step layer output: err_ratio vs the XLA path {err:.2e}; loss {float(value):.6g} "
+          f"(XLA path {float(want_value):.6g})")
+    assert err < 1e-2, f"layer output: {err:.2e}"
     for name in grads:
         err = gold.err_ratio(np.asarray(grads[name], np.float64), np.asarray(want_grads[name], np.float64))
         print(f"training step d/d{name}: err_ratio vs the XLA path {err:.2e}")
