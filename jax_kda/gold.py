@@ -69,7 +69,9 @@ def recurrence(
     use_beta_sigmoid_in_kernel=False,
     state_v_first=False,
 ):
-    """Float64 KDA forward, token by token. Same arguments as `jax_kda.prefill`.
+    """Float64 KDA forward, token by token. The arguments are `jax_kda.prefill`'s but for
+    `output_final_state`, `state_in_place` and `backend`: the final state is always returned, and
+    no input is validated (pass what prefill accepts).
 
     Returns:
       (o, final_state): o `[B, T, HV, V]` and the final state `[N, HV, K, V]` (or `[N, HV, V, K]`
