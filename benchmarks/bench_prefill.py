@@ -47,7 +47,9 @@ How it measures (harness.METHOD, printed with the results): for each implementat
 calls on K distinct input sets (at least 8, and enough that they exceed 4x the 60 MB L2), one
 synchronisation; device time from CUPTI through torch.profiler (the span of the calls' GPU
 activity / K, median of 3), wall time also recorded. jax_kda runs as one jitted program of the K
-calls, the peers as K eager torch calls. The peers get the same arrays (DLPack), and their outputs
+calls, the peers as K eager torch calls (a peer is charged the least of its device time, its wall
+time and its GPU busy time, its kernels' durations summed, which leaves out the gaps its host leaves
+between them). The peers get the same arrays (DLPack; one cu_seqlens tensor for all K calls), and their outputs
 (o and the final state) are compared with jax_kda's before anything is timed. Without torch with
 CUDA (e.g. `--backend xla` on a CPU) only wall time is taken. Where nvidia-smi is there, each
 measurement also keeps the SM clock, power and throttle reasons it reported during the profiled runs
@@ -252,6 +254,8 @@ def run_case(w: Workload, args, rng, bandwidth: float) -> dict:
             t = time_peer(calls, args.reps)
             row[f"{peer.key}_us"], row[f"{peer.key}_wall_us"] = harness.best_us(t), t["wall_us"]
             row[f"{peer.key}_timing"] = "device" if t["device_us"] is not None else "wall"
+            if t["busy_us"] is not None:
+                row[f"{peer.key}_busy_us"] = t["busy_us"]
             row[f"{peer.key}_clock"] = t["gpu_clock"]
             del calls
         del torch_sets
@@ -342,6 +346,9 @@ def main():
                         help="time FLA's chunk_kda (default: when it imports and CUDA is there)")
     parser.add_argument("--flashkda", action=argparse.BooleanOptionalAction, default=None,
                         help="time FlashKDA (default: when flash_kda imports and CUDA is there)")
+    parser.add_argument("--flashkda-source", default=None,
+                        help="which FlashKDA source a source build is (e.g. 'commit 1ce47ea, CUTLASS 4.2, "
+                             "sm_90a'), recorded with the run's versions beside its extension's sha256")
     parser.add_argument("--xla", action="store_true", help="also time backend='xla'")
     parser.add_argument("--out", type=pathlib.Path, required=True,
                         help="folder for results.json, table.md, prefill.png")
@@ -388,7 +395,10 @@ def main():
     meta["copy_bandwidth"] = harness.measure_copy_bandwidth()
     bandwidth, source = harness.copy_bandwidth(meta)
     if args.flashkda:
-        meta["versions"]["flash_kda"] = harness.package_version("flash_kda") or "source build"
+        digest = harness.module_file_digest("flash_kda_C")  # the compiled extension of a source build
+        meta["versions"]["flash_kda"] = harness.package_version("flash_kda") or ", ".join(
+            part for part in ("source build", args.flashkda_source,
+                              digest and f"flash_kda_C sha256 {digest}") if part)
     if peer_runs:
         # Checked before anything is timed: a run that cannot be merged stops here, not after the grid.
         try:

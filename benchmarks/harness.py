@@ -16,6 +16,8 @@ their arguments) on a machine without torch.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib
 import importlib.metadata
 import json
 import math
@@ -67,9 +69,13 @@ METHOD = (
     "tables show wall time. Per kernel: the durations of the profiled runs' GPU activities summed by name "
     "(prepare_chunks, the recurrence, combine_segments, everything else: order_units, which orders a packed "
     "batch's sequences longest first, and XLA's own ops and copies) / K, median of the 3 runs; they need not "
-    "add up to the span (gaps, overlap). The first input set is a fresh random draw (never zeros), made on the "
-    "GPU by jax.random from a seed drawn fresh each run; the others are that set with every floating-point "
-    "array rolled along its longest axis. All implementations get the same arrays (torch tensors shared with "
+    "add up to the span (gaps, overlap). A peer's GPU busy time: the same durations summed over all its "
+    "activities (*_busy_us), which leaves out the gaps between its launches; the tables charge a peer the "
+    "least of its device time, wall time and busy time, jax_kda its device time. The first input set is a "
+    "fresh random draw (never zeros), made on the GPU by jax.random from a seed drawn fresh each run; the "
+    "others are that set with every floating-point array rolled along its longest axis (a packed batch's "
+    "cu_seqlens is one array, shared by the K sets and, as one torch tensor, by a peer's K calls, as a "
+    "model's layers share it). All implementations get the same arrays (torch tensors shared with "
     "JAX by DLPack), and their outputs are compared with jax_kda's (err_ratio of o and of the final state) "
     "before anything is timed. HBM floor: the fewest bytes a prefill moves (q, k, v, raw g, beta read once, "
     f"o written once, states read and written once) {_FLOOR_SENTENCE} The XLA path "
@@ -332,8 +338,9 @@ def span_us(activities: list[Activity]) -> float:
 def measure(run, calls: int, reps: int, profiled: int = PROFILED_RUNS) -> dict:
     """Per-call times of `run` (which makes `calls` calls and waits for them), after one warm-up run:
     `wall_us` (median of `reps` runs), `device_us` (median CUPTI span of `profiled` runs, None without
-    torch/CUDA), `kernels` (µs per call per KERNEL_PARTS kind, the median of those runs; None
-    likewise) and `gpu_clock` (what nvidia-smi reported during the profiled runs: `gpu_clock.summarize`;
+    torch/CUDA), `busy_us` (the median of those runs' GPU activities' durations summed: the GPU's busy
+    time, without the gaps between launches; None likewise), `kernels` (µs per call per KERNEL_PARTS
+    kind, the median of those runs; None likewise) and `gpu_clock` (what nvidia-smi reported during the profiled runs: `gpu_clock.summarize`;
     None without it)."""
     run()
     wall = []
@@ -341,12 +348,13 @@ def measure(run, calls: int, reps: int, profiled: int = PROFILED_RUNS) -> dict:
         start = time.perf_counter()
         run()
         wall.append((time.perf_counter() - start) / calls * 1e6)
-    out = dict(wall_us=statistics.median(wall), device_us=None, kernels=None)
+    out = dict(wall_us=statistics.median(wall), device_us=None, busy_us=None, kernels=None)
     with ClockLog() as clock:
         profiles = [gpu_activities(run) for _ in range(profiled)]
     out["gpu_clock"] = clock.summary()
     if profiles and all(profiles):
         out["device_us"] = statistics.median(span_us(p) / calls for p in profiles)
+        out["busy_us"] = statistics.median(sum(a.duration for a in p) / calls for p in profiles)
         parts = [by_kernel(p, calls) for p in profiles]
         out["kernels"] = {kind: statistics.median(p[kind] for p in parts) for kind in KERNEL_PARTS}
     return out
@@ -359,16 +367,22 @@ def best_us(timing: dict) -> float:
 
 def to_torch(sets):
     """The input sets as torch tensors sharing the JAX buffers (DLPack); cu_seqlens as int64 (and a
-    host copy as `cu_seqlens_cpu`)."""
+    host copy as `cu_seqlens_cpu`), converted once for every set that shares the JAX array, so that
+    the peers see one cu_seqlens object across the calls, as a model's layers would. (FLA caches what
+    it derives from cu_seqlens by the tensor's identity in a few slots: a new tensor per set missed
+    every time and made each call rebuild its chunk indices with a blocking host-to-device copy.)"""
     import torch
 
+    converted = {}  # id(JAX cu_seqlens) -> (int64 tensor, its host copy)
     out = []
     for a, kw in sets:
         ta = [torch.from_dlpack(x) for x in a]
-        tkw = {k: torch.from_dlpack(v) for k, v in kw.items()}
-        if "cu_seqlens" in tkw:
-            tkw["cu_seqlens"] = tkw["cu_seqlens"].long()
-            tkw["cu_seqlens_cpu"] = tkw["cu_seqlens"].cpu()
+        tkw = {k: torch.from_dlpack(v) for k, v in kw.items() if k != "cu_seqlens"}
+        if "cu_seqlens" in kw:
+            if id(kw["cu_seqlens"]) not in converted:
+                cu = torch.from_dlpack(kw["cu_seqlens"]).long()
+                converted[id(kw["cu_seqlens"])] = (cu, cu.cpu())
+            tkw["cu_seqlens"], tkw["cu_seqlens_cpu"] = converted[id(kw["cu_seqlens"])]
         out.append((ta, tkw))
     return out
 
@@ -381,6 +395,16 @@ def package_version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def module_file_digest(name: str) -> str | None:
+    """The first 12 hex digits of the sha256 of an importable module's file (a source build's compiled
+    extension, which has no package version), or None where it does not import or has no file."""
+    try:
+        path = getattr(importlib.import_module(name), "__file__", None)
+    except ImportError:
+        return None
+    return None if path is None else hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:12]
 
 
 def run_command() -> str:
@@ -430,15 +454,18 @@ PEER_LABELS = {"flashkda": "FlashKDA", "fla": "FLA"}
 
 
 def peer_us(row: dict, peer: str) -> float | None:
-    """A peer's time in the tables: the smaller of its device time (`{peer}_us`) and its wall time per
-    call. The peers run as eager torch calls, and under the profiler the gaps between their kernels grow
-    (FLA's most: 6.1 ms device span against 3.0 ms wall time a call on 64 heads x 6 mixed prompts), while
-    their wall time over K calls and one synchronisation can only overstate their GPU time; so a peer
-    is never charged for the profiler. jax_kda's figure stays its device time (its wall time is larger)."""
-    us, wall = row.get(f"{peer}_us"), row.get(f"{peer}_wall_us")
+    """A peer's time in the tables: the least of its device time (`{peer}_us`, the span), its wall time
+    and, where recorded, its GPU busy time (`{peer}_busy_us`) per call. The peers run as eager torch
+    calls: under the profiler the gaps between their launches grow (FLA's most: 6.1 ms device span
+    against 3.0 ms wall time a call on 64 heads x 6 mixed prompts), and where a peer is bound by its
+    host those gaps are in its span and its wall time alike; its busy time (its GPU activities'
+    durations summed) leaves every gap out, what a CUDA graph of its calls could at best reach. So a
+    peer is charged neither for the profiler nor for its host. jax_kda's figure stays its device span
+    (one jitted program: the gaps between its kernels are charged to it)."""
+    us, wall, busy = row.get(f"{peer}_us"), row.get(f"{peer}_wall_us"), row.get(f"{peer}_busy_us")
     if us is None:
         return None
-    return us if wall is None else min(us, wall)
+    return min(t for t in (us, wall, busy) if t is not None)
 
 
 def with_ratios(row: dict) -> dict:
@@ -942,10 +969,14 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
         "Cases: `jax_kda.testing.BENCHMARK_CASES` (D = K = V = 128, bf16 q / k / v / raw g / beta (fp32 g and "
         "beta in the `_f32gates` cases), lower-bound gate -5 with A_log, gate + beta sigmoid + q/k l2norm in the "
         f"kernel, fp32 initial and final state in the `[N, H, V, K]` layout). Times are µs per call, {timing}; "
-        "a peer's is the smaller of its device time and its wall time (`*_best_us` in results.json: the profiler "
-        "widens the gaps between an eager peer's kernels, and its wall time can only overstate its GPU time); "
+        "a peer's is the least of its device time, its wall time and, where recorded (`*_busy_us` in "
+        "results.json), its GPU busy time, its GPU activities' durations summed (`*_best_us`: the peers run "
+        "as eager torch calls, and the profiler and their host widen the gaps between their kernels, which the "
+        "busy time leaves out); "
         "\"vs X\" is X's time / jax_kda's; plan is the kernels' V split and segments per sequence (intracard "
-        "context parallelism); per-kernel columns are jax_kda's kernels; — means not run.",
+        "context parallelism: where a sequence is cut into segments, its pieces run on more SMs than the peers, "
+        "which run a sequence's head in one CTA, can use); per-kernel columns are jax_kda's kernels; — means "
+        "not measured in this run (a peer's command lines above name the cases it ran).",
         "",
         render_table(rows),
         "",

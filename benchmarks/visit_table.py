@@ -1,7 +1,8 @@
 """One machine visit's benchmark table, in as many calls as the machine's limit per command needs.
 
     python benchmarks/visit_table.py --out /tmp/visit --seconds 580 --commit abc1234 \
-        --flashkda-build "cd /tmp/FlashKDA && python3 setup.py build_ext --inplace" --flashkda-path /tmp/FlashKDA
+        --flashkda-build "cd /tmp/FlashKDA && python3 setup.py build_ext --inplace" --flashkda-path /tmp/FlashKDA \
+        --flashkda-source "commit <FlashKDA's commit>, sm_90a"
 
 with the jax_kda wheel to time installed and first on PYTHONPATH (as `tests/run_gpu.sh` does). Run the
 same command again, in the same visit, until it prints "table complete" (exit status 0; 3 while
@@ -12,7 +13,8 @@ call):
 1. FLA (`bench_prefill.py --peers-only`) on the cases that no earlier call's FLA run has, while
    FlashKDA builds in the background (`--flashkda-build`, a shell command; skipped once `flash_kda`
    imports from `--flashkda-path`), for at most `--fla-first` seconds: FLA's autotuning (50-100 s per
-   group of cases) overlaps the build.
+   group of cases) overlaps the build. The build loads the host's CPUs; FLA's figure in the table is
+   its GPU busy time where that is its least (bench_prefill), which host load does not stretch.
 2. The main run (`bench_prefill.py --no-fla --xla`: jax_kda, FlashKDA in the same process, the XLA
    path, every case) into OUT/main, if no call has completed it. It is started only with at least
    `--main-seconds` left; a run cut short is done again whole by the next call, so that the table
@@ -149,6 +151,7 @@ class Visit:
                 extra = ["--no-fla", "--reps", str(self.args.reps), "--commit", self.args.commit, "--cases",
                          self.args.cases, "--out", str(self.out / "main")] + (["--xla"] if self.args.xla else [])
                 extra += ["--flashkda"] if self.args.flashkda_build or self.args.flashkda_path else []
+                extra += ["--flashkda-source", self.args.flashkda_source] if self.args.flashkda_source else []
                 self.bench("main", extra, self.left() - MARGIN_S, env=self.flashkda_env())
         self.fla(self.left() - MARGIN_S)
         complete = main_complete(self.out, self.cases)
@@ -181,6 +184,7 @@ def main():
     parser.add_argument("--xla", action=argparse.BooleanOptionalAction, default=True, help="time the XLA path too")
     parser.add_argument("--flashkda-build", help="shell command that builds FlashKDA (run in the background)")
     parser.add_argument("--flashkda-path", type=pathlib.Path, help="folder flash_kda imports from once built")
+    parser.add_argument("--flashkda-source", help="which FlashKDA source is built (bench_prefill's --flashkda-source)")
     parser.add_argument("--fla", action=argparse.BooleanOptionalAction, default=None,
                         help="time FLA (default: when fla imports)")
     parser.add_argument("--fla-first", type=float, default=170,

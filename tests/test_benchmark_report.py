@@ -389,6 +389,56 @@ def test_a_peers_table_time_is_the_smaller_of_its_device_and_wall_time():
     assert harness.peer_us(dict(fla_us=10.0), "fla") == 10.0 and harness.peer_us({}, "fla") is None
 
 
+def test_a_peers_table_time_is_its_busy_time_where_that_is_the_least():
+    """A host-bound eager peer leaves gaps between its kernels in its span and its wall time alike; its
+    GPU busy time (`*_busy_us`) leaves them out, and the table charges it that where recorded."""
+    rows, meta = _main_run()
+    row = dict(rows[1], case="h64_mixed", sequences=6, heads=64, flashkda_us=1018.0, flashkda_wall_us=1015.0,
+               flashkda_busy_us=990.0, fla_us=6092.0, fla_wall_us=2976.0, fla_busy_us=2100.0,
+               jax_kda_us=520.0, jax_kda_wall_us=629.0)
+    full = harness.with_ratios(row)
+    assert (full["fla_best_us"], full["flashkda_best_us"]) == (2100.0, 990.0)
+    assert harness.goal_time_us(row) == 990.0 / 2
+    assert harness.peer_us(dict(fla_us=10.0, fla_wall_us=12.0, fla_busy_us=11.0), "fla") == 10.0
+
+
+def test_the_peers_get_one_cu_seqlens_tensor_for_all_sets(monkeypatch):
+    """FLA caches what it derives from cu_seqlens by the tensor's identity: the K calls must pass the
+    same tensor (as a model's layers do), converted once per JAX array, not one per input set."""
+    import types
+
+    class Tensor:
+        def __init__(self, source):
+            self.source = source
+
+        def long(self):
+            return Tensor(("long", self.source))
+
+        def cpu(self):
+            return Tensor(("cpu", self.source))
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_dlpack=Tensor))
+    cu, other_cu = object(), object()
+    sets = [(("q1",), dict(cu_seqlens=cu, initial_state="s1")), (("q2",), dict(cu_seqlens=cu)),
+            (("q3",), dict(cu_seqlens=other_cu))]
+    out = harness.to_torch(sets)
+    assert out[0][1]["cu_seqlens"] is out[1][1]["cu_seqlens"]
+    assert out[0][1]["cu_seqlens_cpu"] is out[1][1]["cu_seqlens_cpu"]
+    assert out[2][1]["cu_seqlens"] is not out[0][1]["cu_seqlens"]
+    assert out[0][1]["cu_seqlens"].source == ("long", cu)
+    assert out[0][1]["cu_seqlens_cpu"].source == ("cpu", ("long", cu))
+    assert out[0][1]["initial_state"].source == "s1" and [t.source for t in out[1][0]] == ["q2"]
+
+
+def test_a_source_builds_extension_is_named_by_its_digest(tmp_path, monkeypatch):
+    (tmp_path / "fake_ext.py").write_bytes(b"x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hashlib
+
+    assert harness.module_file_digest("fake_ext") == hashlib.sha256(b"x = 1\n").hexdigest()[:12]
+    assert harness.module_file_digest("no_such_module_here") is None
+
+
 def test_peers_only_runs_cases_that_share_flas_tuning_together():
     names = ["h96_fixed8k", "h64_mixed", "h96_fixed32k", "h64_8x1k", "h96_mixed", "h96_8x1k",
              "h96_fixed8k_f32gates", "h64_fixed8k"]
