@@ -324,6 +324,7 @@ def redraw(args) -> str:
     rows = [harness.with_ratios(harness.with_floor(r, saved)) for r in rows]
     if saved.get("method"):
         saved["method"] = harness.with_current_floor_sentence(saved["method"])
+    saved["drawn_by"] = harness.run_command()  # the report names the command that drew it last
     if harness.write_plot(rows, args.out / "prefill.png", saved["device"]):
         saved["plot"] = True
     path.write_text(json.dumps(dict(saved, rows=rows), indent=1) + "\n")

@@ -956,6 +956,8 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
 
     for command in meta.get("merge_commands", []):
         lines.append(f"- Merged into this run's rows after it (nothing timed): `{command}`")
+    if meta.get("drawn_by") and meta["drawn_by"] not in meta.get("merge_commands", []):
+        lines.append(f"- This report drawn from the saved rows (nothing timed): `{meta['drawn_by']}`")
     if results_dir is not None:
         lines.append(f"- Raw rows: `{link('results.json')}`; the table alone: `{link('table.md')}`")
     lines.append("")
@@ -1044,6 +1046,8 @@ def render_report(rows: list[dict], meta: dict, results_dir: str | None = None, 
         *[run["command"] for run in peer_runs],
         meta["command"],
         *meta.get("merge_commands", []),
+        *([meta["drawn_by"]] if meta.get("drawn_by") and meta["drawn_by"] not in meta.get("merge_commands", [])
+          else []),
         "```",
         "",
     ]

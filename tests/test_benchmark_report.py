@@ -215,7 +215,10 @@ def test_redraw_draws_the_report_again_from_results_json(tmp_path):
     script = pathlib.Path(harness.__file__).parent / "bench_prefill.py"
     subprocess.run([sys.executable, str(script), "--redraw", "--out", str(out), "--report", str(report)],
                    check=True, capture_output=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert report.read_text() == harness.render_report(rows, meta, "results")
+    drawn_by = json.loads((out / "results.json").read_text())["drawn_by"]  # the command, as it ran
+    assert "--redraw" in drawn_by and str(report) in drawn_by
+    assert report.read_text() == harness.render_report(rows, dict(meta, drawn_by=drawn_by), "results")
+    assert f"- This report drawn from the saved rows (nothing timed): `{drawn_by}`" in report.read_text()
     assert (out / "table.md").read_text() == harness.render_table(rows) + "\n"
     plot = (out / "prefill.png").read_bytes()  # drawn again where matplotlib imports, else kept
     assert plot.startswith(b"\x89PNG") if importlib.util.find_spec("matplotlib") else plot == b"the run's plot"
