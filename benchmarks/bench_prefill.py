@@ -75,7 +75,14 @@ import pathlib
 import sys
 import time
 
-import jax
+# JAX takes 75 % of the GPU's memory at its first use unless told otherwise, which would leave the
+# torch peers the rest: their allocator might then free and retry (a synchronisation) inside their
+# timed calls. So XLA allocates as it goes here (its allocator grows to the program's needs in the
+# warm-up): jax_kda's kernels took the same time under XLA's default, platform and cuda_async
+# allocators (benchmarks/results/h200/allocator_ab.txt).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 
@@ -194,7 +201,11 @@ def time_peer(calls, reps: int) -> dict:
             call()
         torch.cuda.synchronize()
 
-    return harness.measure(run, len(calls), reps)
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    timing = harness.measure(run, len(calls), reps)
+    # Each retry freed cached blocks and synchronised inside the timed calls: recorded, never expected.
+    timing["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+    return timing
 
 
 def err_ratios(ours, theirs) -> tuple[float, float | None]:
@@ -256,6 +267,10 @@ def run_case(w: Workload, args, rng, bandwidth: float) -> dict:
             row[f"{peer.key}_timing"] = "device" if t["device_us"] is not None else "wall"
             if t["busy_us"] is not None:
                 row[f"{peer.key}_busy_us"] = t["busy_us"]
+            row[f"{peer.key}_alloc_retries"] = t["alloc_retries"]
+            if t["alloc_retries"]:
+                print(f"{w.name}: {peer.label}'s allocator retried {t['alloc_retries']} times in its timed "
+                      "calls (each a synchronisation): its figure is not its kernels' alone", flush=True)
             row[f"{peer.key}_clock"] = t["gpu_clock"]
             del calls
         del torch_sets
