@@ -261,10 +261,31 @@ def _abstract_eval(*avals, tree, fields, cfg: PrefillConfig, kernels, num_sms, n
         if tuple(getattr(ops, name).shape) != shape:
             raise ValueError(f"jax_kda prefill: operand {name} has shape {getattr(ops, name).shape}, "
                              f"the config says {shape}")
-    o = jax.core.ShapedArray((cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v), jnp.dtype(cfg.dtype))
+    o = _result_aval(avals, (cfg.batch, cfg.seqlen, cfg.num_v_heads, cfg.head_v), jnp.dtype(cfg.dtype))
     if not cfg.output_final_state:
         return [o]
-    return [o, jax.core.ShapedArray(cfg.state_shape, jnp.dtype(cfg.state_dtype))]
+    return [o, _result_aval(avals, cfg.state_shape, jnp.dtype(cfg.state_dtype))]
+
+
+def _varying(aval) -> frozenset:
+    """The manual mesh axes (jax.shard_map) an operand's type says it varies over."""
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _result_aval(avals, shape, dtype) -> jax.core.ShapedArray:
+    """A result's type: varying over every manual mesh axis any operand varies over, as values
+    computed from them are. A plain type would make jax.shard_map mark the result varying after the
+    call (pvary), and differentiating a jit or checkpoint of that shard_map then fails."""
+    varying = [a for a in avals if _varying(a)]
+    if not varying:
+        return jax.core.ShapedArray(shape, dtype)
+    base, axes = varying[0], frozenset().union(*map(_varying, varying))
+    sharding = base.sharding.update(spec=jax.sharding.PartitionSpec(*[None] * len(shape)))
+    if hasattr(base, "mat"):
+        return base.update(shape=shape, dtype=dtype, weak_type=False, sharding=sharding,
+                           manual_axis_type=base.mat.update(varying=axes))
+    return base.update(shape=shape, dtype=dtype, weak_type=False, sharding=sharding, vma=axes)
 
 
 def _lowering(ctx, *leaves, tree, fields, cfg, kernels, num_sms, num_segments, cuda: bool):

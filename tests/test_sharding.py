@@ -127,6 +127,36 @@ def test_shard_map_with_check_vma_on_every_backend(backend, dims, initial_state,
     _assert_close(got, want)
 
 
+@pytest.mark.parametrize("wrap", ["jit", "checkpoint"])
+def test_grad_of_a_jitted_shard_map_and_its_output_type(wrap, fresh_seed):
+    """Inside shard_map the results are typed as varying over the operands' manual axes, as values
+    computed from them are: with a plain type, shard_map added a pvary after the call, and the
+    gradient of a jit (or checkpoint) of the shard_map failed ("pvary is a invariant->variant
+    collective"); and out_specs=P(), which claims o is the same on every device, was accepted."""
+    w = W("shard_map_grad", batch=2, seqlen=32, heads=4, initial_state=True, head_k=32, head_v=32,
+          dtype="float32")
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    mesh = _mesh((2, 2), ("data", "model"), count=4)
+    arg_specs, kw_specs = _specs(w, "data", "model")
+    in_specs = (tuple(arg_specs), {k: kw_specs[k] for k in arrays})
+
+    def loss(run):
+        wrapped = {"jit": jax.jit, "checkpoint": jax.checkpoint}[wrap](run)
+        return lambda a, kw: sum(jnp.sum(x ** 2) for x in wrapped(a, kw))
+
+    sharded = jax.shard_map(lambda a, kw: jax_kda.prefill(*a, **kw, **static), mesh=mesh, in_specs=in_specs,
+                            out_specs=(arg_specs[2], kw_specs["initial_state"]))
+    got = jax.jit(jax.grad(loss(sharded)))(args, arrays)
+    want = jax.grad(loss(lambda a, kw: jax_kda.prefill(*a, **kw, **static)))(args, arrays)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
+    replicated = jax.shard_map(lambda a, kw: jax_kda.prefill(*a, **kw, **static)[0], mesh=mesh,
+                               in_specs=in_specs, out_specs=P())
+    with pytest.raises(ValueError, match="out_specs"):
+        jax.jit(replicated)(args, arrays)
+
+
 @pytest.mark.skipif(_native.unavailable_reason() is not None, reason="kernels not built")
 def test_shard_map_lowered_for_cuda_plans_for_the_local_heads():
     """96 heads x 8K tokens at 8-way tensor parallelism: each device's kernel call is the 12-head call,
