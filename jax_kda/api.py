@@ -131,12 +131,11 @@ def prefill(
     if debug.enabled():
         debug.check_inputs(cfg, g, cu_seqlens)
     decision = dispatch.decide(cfg, backend)
-    explicit = sharding.explicit_split(cfg, q, dict(k=k, v=v, g=g, beta=beta, initial_state=initial_state,
-                                                    A_log=A_log, dt_bias=dt_bias))
+    leaves, tree = jax.tree.flatten(ops)
+    explicit = sharding.explicit_split(cfg, kernel.fields_of(ops), leaves)
     if explicit is None:
         return kernel.prefill(ops, cfg, decision.kernels, decision.num_sms)
     # Shardings in the types (jax.set_mesh, Explicit axes): one local call per device, by shard_map.
-    leaves, tree = jax.tree.flatten(ops)
 
     def local(local_cfg, *xs):
         return kernel.bind(xs, tree, local_cfg, decision.kernels, decision.num_sms)

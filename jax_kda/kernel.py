@@ -267,25 +267,17 @@ def _abstract_eval(*avals, tree, fields, cfg: PrefillConfig, kernels, num_sms, n
     return [o, _result_aval(avals, cfg.state_shape, jnp.dtype(cfg.state_dtype))]
 
 
-def _varying(aval) -> frozenset:
-    """The manual mesh axes (jax.shard_map) an operand's type says it varies over."""
-    mat = getattr(aval, "mat", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
-
-
 def _result_aval(avals, shape, dtype) -> jax.core.ShapedArray:
     """A result's type: varying over every manual mesh axis any operand varies over, as values
     computed from them are. A plain type would make jax.shard_map mark the result varying after the
     call (pvary), and differentiating a jit or checkpoint of that shard_map then fails."""
-    varying = [a for a in avals if _varying(a)]
+    varying = [a for a in avals if xla_backend.varying_axes(a)]
     if not varying:
         return jax.core.ShapedArray(shape, dtype)
-    base, axes = varying[0], frozenset().union(*map(_varying, varying))
+    base, axes = varying[0], frozenset().union(*map(xla_backend.varying_axes, varying))
     sharding = base.sharding.update(spec=jax.sharding.PartitionSpec(*[None] * len(shape)))
-    if hasattr(base, "mat"):
-        return base.update(shape=shape, dtype=dtype, weak_type=False, sharding=sharding,
-                           manual_axis_type=base.mat.update(varying=axes))
-    return base.update(shape=shape, dtype=dtype, weak_type=False, sharding=sharding, vma=axes)
+    return base.update(shape=shape, dtype=dtype, weak_type=False, sharding=sharding,
+                       manual_axis_type=base.mat.update(varying=axes))
 
 
 def _lowering(ctx, *leaves, tree, fields, cfg, kernels, num_sms, num_segments, cuda: bool):

@@ -69,22 +69,66 @@ def local_config(cfg: PrefillConfig, batch_shards: int, head_shards: int) -> Pre
         num_qk_heads=cfg.num_qk_heads // head_shards, num_v_heads=cfg.num_v_heads // head_shards)
 
 
-def choose_split(cfg: PrefillConfig, mesh, q_spec) -> Split:
-    """The batch and head axes of q's sharding that the call can be split over; every other axis
-    of it (T, K) is dropped, with the reason logged: those dims are gathered."""
-    spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
+def dim_names(cfg: PrefillConfig, field: str, rank: int) -> tuple[str, ...]:
+    """The names of operand `field`'s dims (of rank `rank`), as the docs write them."""
+    if field == "dt_bias":
+        return ("HV", "K") if rank == 2 else ("HV*K",)
+    if field == "initial_state":
+        return ("N" if cfg.varlen else "B", "HV") + (("V", "K") if cfg.state_v_first else ("K", "V"))
+    return {"q": ("B", "T", "H", "K"), "k": ("B", "T", "H", "K"), "v": ("B", "T", "HV", "V"),
+            "g": ("B", "T", "HV", "K"), "beta": ("B", "T", "HV"), "A_log": ("HV",), "cu_seqlens": ("N+1",)}[field]
+
+
+WHOLE_DIMS = frozenset({"T", "K", "V"})  # never split: the recurrence needs whole sequences and heads
+
+
+def _axes(axis) -> tuple[str, ...]:
+    return () if axis is None else tuple(axis) if isinstance(axis, tuple) else (axis,)
+
+
+def _padded(spec, rank: int) -> tuple:
+    spec = tuple(spec)
+    return spec + (None,) * (rank - len(spec))
+
+
+def unsplit_dims(cfg: PrefillConfig, fields, ranks, operand_specs, split: Split) -> dict[tuple[str, object], list[str]]:
+    """Every operand dim that is sharded other than `split` shards it, which XLA gathers (or
+    reshards) before the call: {(dim name, mesh axis): [operands]}, in operand order."""
+    wanted, _ = specs(cfg, fields, ranks, split)
+    found: dict[tuple[str, object], list[str]] = {}
+    for field, rank, have, want in zip(fields, ranks, operand_specs, wanted):
+        for dim, axis, keep in zip(dim_names(cfg, field, rank), _padded(have, rank), _padded(want, rank)):
+            if axis is not None and _axes(axis) != _axes(keep):
+                found.setdefault((dim, axis), []).append(field)
+    return found
+
+
+def describe(found: dict[tuple[str, object], list[str]]) -> str:
+    return ", ".join(f"{dim} over {axis!r} ({', '.join(fields)})" for (dim, axis), fields in found.items())
+
+
+def choose_split(cfg: PrefillConfig, mesh, fields, ranks, operand_specs) -> Split:
+    """The batch and head axes of q's sharding that the call can be split over (every operand is
+    resharded to q's split). Every other sharded dim of any operand (T, K, V; a batch or head axis
+    that does not divide B or H; a batch or head axis other than q's) is gathered, with the reason
+    logged."""
+    spec = _padded(operand_specs[0], 4)
     batch, heads = spec[0], spec[2]
-    dropped = [f"{name} over {axis!r}" for name, axis in (("T", spec[1]), ("K", spec[3])) if axis is not None]
+    reasons = []
     if batch is not None and (cfg.varlen or cfg.batch % _axis_size(mesh, batch)):
-        dropped.append(f"B over {batch!r} ({'packed sequences' if cfg.varlen else f'B={cfg.batch}'})")
+        reasons.append(f"B over {batch!r}: {'packed sequences' if cfg.varlen else f'B={cfg.batch}'}")
         batch = None
     if heads is not None and (cfg.num_qk_heads % _axis_size(mesh, heads) or cfg.num_v_heads % _axis_size(mesh, heads)):
-        dropped.append(f"heads over {heads!r} (H={cfg.num_qk_heads}, HV={cfg.num_v_heads})")
+        reasons.append(f"heads over {heads!r}: H={cfg.num_qk_heads}, HV={cfg.num_v_heads}")
         heads = None
-    if dropped:
-        logger.warning("jax_kda.prefill: cannot split %s: those inputs are gathered (the call needs whole "
-                       "sequences and whole heads; batch and head splits must divide B and H)", ", ".join(dropped))
-    return Split(batch, heads)
+    split = Split(batch, heads)
+    found = unsplit_dims(cfg, fields, ranks, operand_specs, split)
+    if found:
+        logger.warning("jax_kda.prefill: cannot split %s: those inputs are gathered along those dims (the call needs "
+                       "whole sequences and whole heads, splits only the batch and head axes of q's sharding that "
+                       "divide B and H, and reshards every other input to that split)%s", describe(found),
+                       "".join(f"; {r}" for r in reasons))
+    return split
 
 
 def sharding_rule(cfg: PrefillConfig, fields: tuple[str, ...], ranks: tuple[int, ...]):
@@ -138,8 +182,8 @@ def partitioned(local_body, cfg: PrefillConfig, fields: tuple[str, ...], ranks: 
         return tuple(local_body(cfg, *leaves))
 
     def split_of(mesh, arg_shapes) -> Split:
-        q_sharding = arg_shapes[0].sharding
-        return choose_split(cfg, mesh, q_sharding.spec if isinstance(q_sharding, NamedSharding) else P())
+        return choose_split(cfg, mesh, fields, ranks,
+                            [a.sharding.spec if isinstance(a.sharding, NamedSharding) else P() for a in arg_shapes])
 
     def shardings(mesh, split):
         operands, results = specs(cfg, fields, ranks, split)
@@ -171,29 +215,42 @@ def _explicit_sharding(x):
     return sharding if used & explicit else None
 
 
-def explicit_split(cfg: PrefillConfig, q, others: dict[str, object] | None = None) -> tuple[object, Split] | None:
-    """(mesh, split) when q's type carries an explicit sharding (jax.set_mesh with Explicit axes),
-    else None. The split is q's: the other operands are resharded to it. Raises ValueError for an
-    explicit split of T or K/V, which the call cannot honour, and where q is replicated but another
-    operand (`others`, by name) is explicitly sharded: which split was meant is ambiguous."""
-    sharding = _explicit_sharding(q)
-    if sharding is None:
-        for name, x in (others or {}).items():
-            if x is not None and (other := _explicit_sharding(x)) is not None:
+def explicit_split(cfg: PrefillConfig, fields: tuple[str, ...], leaves) -> tuple[object, Split] | None:
+    """(mesh, split) when q (the first leaf) has an explicit sharding in its type (jax.set_mesh with
+    Explicit axes), else None. The split is q's batch and head axes; the other operands are
+    resharded to it, with the reason logged where one of them is sharded otherwise. Raises
+    ValueError where any operand is explicitly split over T, K or V, which the call cannot honour;
+    for a batch split of packed sequences; and where q is replicated but another operand is
+    explicitly sharded: which split was meant is ambiguous."""
+    shardings = [_explicit_sharding(x) for x in leaves]
+    ranks = tuple(len(x.shape) for x in leaves)
+    if shardings[0] is None:
+        for name, other in zip(fields, shardings):
+            if other is not None:
                 raise ValueError(f"jax_kda.prefill: {name} is sharded {other.spec} but q is replicated: the call "
                                  "is split the way q is sharded, so shard q (and k) over the same batch / head "
                                  "axes, or replicate every operand")
         return None
-    mesh = sharding.mesh
-    spec = tuple(sharding.spec) + (None,) * (4 - len(tuple(sharding.spec)))
-    if spec[1] is not None or spec[3] is not None:
-        raise ValueError(f"jax_kda.prefill cannot split T or K across devices (q is sharded {sharding.spec}): "
-                         "shard the batch and head axes only (context parallelism across devices is not "
-                         "supported yet); reshard q, k, v, g and beta first")
+    for name, rank, sharding in zip(fields, ranks, shardings):
+        spec = _padded(P() if sharding is None else sharding.spec, rank)
+        whole = [f"{dim} over {axis!r}" for dim, axis in zip(dim_names(cfg, name, rank), spec)
+                 if axis is not None and dim in WHOLE_DIMS]
+        if whole:
+            raise ValueError(f"jax_kda.prefill cannot split T, K or V across devices ({name} is sharded "
+                             f"{sharding.spec}: {', '.join(whole)}): shard the batch and head axes only (context "
+                             "parallelism across devices is not supported yet); reshard q, k, v, g, beta and "
+                             "the states first")
+    mesh = shardings[0].mesh
+    spec = _padded(shardings[0].spec, 4)
     if cfg.varlen and spec[0] is not None:
         raise ValueError(f"packed sequences (cu_seqlens) cannot be split over the batch axis (q is sharded "
-                         f"{sharding.spec}); split them over heads, or pack one batch per device")
-    return mesh, Split(spec[0], spec[2])
+                         f"{shardings[0].spec}); split them over heads, or pack one batch per device")
+    split = Split(spec[0], spec[2])
+    found = unsplit_dims(cfg, fields, ranks, [P() if s is None else s.spec for s in shardings], split)
+    if found:
+        logger.warning("jax_kda.prefill: %s resharded to q's split (batch %r, heads %r): the call is split "
+                       "the way q is sharded", describe(found), split.batch, split.heads)
+    return mesh, split
 
 
 def explicit_shard_map(local_call, cfg: PrefillConfig, fields, leaves, mesh, split: Split):

@@ -46,9 +46,10 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 def varying_axes(x) -> frozenset:
-    """The manual mesh axes (jax.shard_map) that x varies over; empty outside shard_map."""
-    mat = getattr(jax.typeof(x), "mat", None)
-    return frozenset(getattr(mat, "varying", ()))
+    """The manual mesh axes (jax.shard_map) that x (an array or a tracer, or its abstract value)
+    varies over, as its type says; empty outside shard_map."""
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
+    return frozenset(aval.mat.varying)
 
 
 def _varying_like(x: jax.Array, *refs: jax.Array) -> jax.Array:

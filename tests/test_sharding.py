@@ -215,7 +215,7 @@ def test_explicit_sharding_reshards_replicated_parameters_and_states(batch, head
 
 @pytest.mark.parametrize("axis,specs,match", [
     # T split: the recurrence needs whole sequences.
-    ("seq", [P(None, "seq")] * 5, r"cannot split T or K across devices"),
+    ("seq", [P(None, "seq")] * 5, r"cannot split T, K or V across devices \(q is sharded"),
     # q replicated while v, g and beta are split over heads: which split was meant is ambiguous.
     ("model", [P()] * 2 + [P(None, None, "model")] * 3, r"v is sharded .* but q is replicated"),
 ], ids=["token_axis", "q_replicated"])
@@ -242,7 +242,76 @@ def test_a_token_sharded_input_is_gathered_with_the_reason_logged(fresh_seed, ca
     with caplog.at_level(logging.WARNING, logger="jax_kda"):
         got = jax.jit(lambda a, kw: jax_kda.prefill(*a, **kw, **static))(sharded, arrays)
     _assert_close(got, want)
-    assert "cannot split T over 'seq': those inputs are gathered" in caplog.text
+    assert "cannot split T over 'seq' (q, k, v, g, beta): those inputs are gathered" in caplog.text
+
+
+# One operand other than q sharded over a dim the call keeps whole (q itself is split over the
+# batch): (operand, its PartitionSpec, the dim as the log names it). State layout [N, HV, K, V].
+OTHER_OPERAND_SPLITS = [
+    ("v", P("data", None, None, "x"), "V"),
+    ("g", P("data", None, None, "x"), "K"),
+    ("beta", P("data", "x"), "T"),
+    ("k", P("data", "x"), "T"),
+    ("initial_state", P("data", None, "x"), "K"),
+    ("initial_state", P("data", None, None, "x"), "V"),
+    ("dt_bias", P(None, "x"), "K"),
+]
+
+
+@pytest.mark.parametrize("name,spec,dim", OTHER_OPERAND_SPLITS,
+                         ids=[f"{n}_{d}" for n, _, d in OTHER_OPERAND_SPLITS])
+def test_under_jit_any_operand_split_the_call_keeps_whole_is_gathered_and_logged(name, spec, dim, fresh_seed, caplog):
+    """Not only q's sharding is read: any operand sharded over T, K or V is gathered along it with
+    the reason logged, while the call keeps q's batch split; the result is the unsharded call's."""
+    w = W("other_operand_auto", batch=2, seqlen=32, heads=4, gate="softplus", **KDA)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    want = jax_kda.prefill(*args, **arrays, **static)
+    mesh = _mesh((2, 4), ("data", "x"))
+    inputs = dict(zip(("q", "k", "v", "g", "beta"), args), **arrays)
+    placed = {n: jax.device_put(x, NamedSharding(mesh, spec if n == name else P("data") if n in
+                                                 ("q", "k", "v", "g", "beta", "initial_state") else P()))
+              for n, x in inputs.items()}
+    f = jax.jit(lambda kw: jax_kda.prefill(**kw, **static))
+    with caplog.at_level(logging.WARNING, logger="jax_kda"):
+        got = f(placed)
+    _assert_close(got, want)
+    assert f"cannot split {dim} over 'x' ({name}): those inputs are gathered" in caplog.text, caplog.text
+    assert "B over" not in caplog.text  # q's batch split is kept
+
+
+@pytest.mark.parametrize("name,spec,dim", OTHER_OPERAND_SPLITS,
+                         ids=[f"{n}_{d}" for n, _, d in OTHER_OPERAND_SPLITS])
+def test_under_explicit_sharding_any_operand_split_over_t_k_or_v_is_an_error(name, spec, dim):
+    w = W("other_operand_explicit", batch=2, seqlen=32, heads=4, gate="softplus", **KDA)
+    args, kwargs = make_inputs(w, np.random.default_rng(0))
+    arrays, static = _split(kwargs)
+    mesh = _mesh((2, 4), ("data", "x"), kind=AxisType.Explicit)
+    inputs = dict(zip(("q", "k", "v", "g", "beta"), args), **arrays)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        placed = {n: jax.device_put(x, NamedSharding(mesh, spec if n == name else P("data") if n in
+                                                     ("q", "k", "v", "g", "beta", "initial_state") else P()))
+                  for n, x in inputs.items()}
+        with pytest.raises(ValueError, match=rf"cannot split T, K or V across devices \({name} is sharded .*"
+                                             rf"{dim} over 'x'"):
+            jax.jit(lambda kw: jax_kda.prefill(**kw, **static))(placed)
+
+
+def test_under_explicit_sharding_an_operand_split_otherwise_than_q_is_resharded_with_a_log(fresh_seed, caplog):
+    """v, g and beta split over heads while q and k are split over the batch: the call takes q's
+    split and reshards the others to it, and says so."""
+    w = W("explicit_mismatch", batch=2, seqlen=32, heads=4, **KDA)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    want = jax_kda.prefill(*args, **arrays, **static)
+    mesh = _mesh((2, 4), ("data", "x"), kind=AxisType.Explicit)
+    specs = [P("data")] * 2 + [P(None, None, "x")] * 2 + [P(None, None, "x")]
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+        with caplog.at_level(logging.WARNING, logger="jax_kda"):
+            got = jax.jit(lambda a: jax_kda.prefill(*a, **arrays, **static))(sharded)
+    _assert_close(got, want)
+    assert "HV over 'x' (v, g, beta) resharded to q's split (batch 'data', heads None)" in caplog.text, caplog.text
 
 
 def test_shard_map_form_exports_for_cuda():
