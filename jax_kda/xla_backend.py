@@ -28,11 +28,18 @@ products only): on a 2-core CPU this made the whole path 2x faster than a batche
 Packed sequences (traced `cu_seqlens`) are laid out with every sequence padded to a multiple of C,
 so no chunk spans two sequences; padding tokens have k = v = beta = 0 and g = 0 and leave the state
 untouched. The padded length is a static bound, T + N (C - 1) tokens, so many short packed
-sequences cost up to C times their length. Memory is O((T + N C) (K + V + C)) per head plus
-states: no O(T K V) tensor is built.
+sequences cost up to C times their length in time.
+
+Memory. The call is a scan over blocks of chunks (`chunks_per_block`): a block's tokens are
+gathered from the inputs, made ready (fp32, l2norm, gate, beta) and turned into its chunk tensors
+when the block runs, and its outputs are written into o in place, so the temporary memory is one
+block's (about 9 KB per token-head in fp32 at K = V = 128), not the call's; no O(T K V) tensor is
+built.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -150,7 +157,7 @@ def _chunk_step(state, chunk):
 
 
 def _to_chunks(x: jax.Array, num_chunks: int, c: int) -> jax.Array:
-    """`[B, Tp, HV, ...]` -> `[num_chunks, B, HV, C, ...]`."""
+    """`[B, num_chunks * C, HV, ...]` -> `[num_chunks, B, HV, C, ...]`."""
     b, _, hv = x.shape[:3]
     x = x.reshape(b, num_chunks, c, hv, *x.shape[3:])
     return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
@@ -162,50 +169,44 @@ def _from_chunks(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, 0, 1).transpose(0, 1, 3, 2, 4).reshape(b, n * c, hv, vdim)
 
 
-def _pad_tokens(x: jax.Array, length: int) -> jax.Array:
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (0, length - x.shape[1])
-    return jnp.pad(x, pad)
+# Blocks: the call runs as a scan over blocks of chunks, each block's token-wise inputs and
+# state-independent chunk tensors made when the block runs (about 8x its inputs' bytes: fp32, and
+# several tensors a token), so the temporary memory is a block's, not the call's. A block is at
+# most 1/BLOCKS_PER_CALL of the call's chunks, and at least MIN_BLOCK_TOKEN_HEADS token x head
+# pairs (small calls run as one block, with no per-block overhead).
+BLOCKS_PER_CALL = 64
+MIN_BLOCK_TOKEN_HEADS = 1 << 14
+
+
+def chunks_per_block(num_chunks: int, token_heads_per_chunk: int) -> int:
+    """How many chunks a block of the scan holds (static; see BLOCKS_PER_CALL)."""
+    least = -(-MIN_BLOCK_TOKEN_HEADS // max(token_heads_per_chunk, 1))
+    return max(1, min(num_chunks, max(-(-num_chunks // BLOCKS_PER_CALL), least)))
 
 
 def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
     """The XLA path of `jax_kda.prefill` for a validated call. Returns (o, final_state or None)."""
-    q, k, v, g, beta = ops.q, ops.k, ops.v, ops.g, ops.beta
-    initial_state, cu_seqlens, A_log, dt_bias = ops.initial_state, ops.cu_seqlens, ops.A_log, ops.dt_bias
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     compute = jnp.promote_types(jnp.dtype(cfg.dtype), jnp.float32)
-    q, k, v, g, beta = (x.astype(compute) for x in (q, k, v, g, beta))
-    if cfg.use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    g = log_decay(
-        g,
-        cfg.gate_mode,
-        A_log=None if A_log is None else A_log.astype(compute),
-        dt_bias=None if dt_bias is None else dt_bias.astype(compute),
-        lower_bound=cfg.lower_bound,
-    )
-    beta = beta_activation(beta, cfg.use_beta_sigmoid)
-    if cfg.group_size > 1:
-        q = jnp.repeat(q, cfg.group_size, axis=2)
-        k = jnp.repeat(k, cfg.group_size, axis=2)
-
     n, hv, kdim, vdim = cfg.num_seqs, cfg.num_v_heads, cfg.head_k, cfg.head_v
-    if initial_state is None:
+    if ops.initial_state is None:
         state0 = jnp.zeros((n, hv, kdim, vdim), compute)
     else:
-        state0 = initial_state.astype(compute)
+        state0 = ops.initial_state.astype(compute)
         if cfg.state_v_first:
             state0 = jnp.swapaxes(state0, -1, -2)
-    # Inside jax.shard_map the scan's carry must vary over the same mesh axes as what updates it.
-    state0 = _varying_like(state0, q, k, v, g, beta)
-
-    if cfg.varlen:
-        o, final = _prefill_packed(cfg, q, k, v, g, beta, state0, cu_seqlens, chunk_size)
+    tokens = (ops.q, ops.k, ops.v, ops.g, ops.beta)
+    # Inside jax.shard_map the scans' carries must vary over the same mesh axes as what updates them.
+    state0 = _varying_like(state0, *tokens)
+    o0 = _varying_like(jnp.zeros((cfg.batch, cfg.seqlen, hv, vdim), jnp.dtype(cfg.dtype)), *tokens)
+    token_inputs = functools.partial(_token_inputs, cfg, compute, ops.A_log, ops.dt_bias)
+    if cfg.seqlen == 0 or n == 0:
+        o, final = o0, state0
+    elif cfg.varlen:
+        o, final = _prefill_packed(cfg, tokens, token_inputs, state0, o0, ops.cu_seqlens, chunk_size)
     else:
-        o, final = _prefill_dense(cfg, q, k, v, g, beta, state0, chunk_size)
-
-    o = o.astype(jnp.dtype(cfg.dtype))
+        o, final = _prefill_dense(cfg, tokens, token_inputs, state0, o0, chunk_size)
     if not cfg.output_final_state:
         return o, None
     if cfg.state_v_first:
@@ -213,28 +214,57 @@ def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
     return o, final.astype(jnp.dtype(cfg.state_dtype))
 
 
-def _prefill_dense(cfg, q, k, v, g, beta, state0, c):
+def _token_inputs(cfg, compute, A_log, dt_bias, real, q, k, v, g, beta):
+    """A block's token-wise inputs, `[B, L, H or HV, ...]` as given, made ready for the chunk
+    algorithm: fp32 (float64 for float64 input), q/k l2-normalised, the gate as log-decay, beta
+    activated, q/k repeated over their value heads; tokens where `real` `[B, L]` is False (past the
+    end, padding) are zeros, which leave the state untouched."""
+    q, k, v, g, beta = (x.astype(compute) for x in (q, k, v, g, beta))
+    if cfg.use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    g = log_decay(g, cfg.gate_mode, A_log=None if A_log is None else A_log.astype(compute),
+                  dt_bias=None if dt_bias is None else dt_bias.astype(compute), lower_bound=cfg.lower_bound)
+    beta = beta_activation(beta, cfg.use_beta_sigmoid)
+    if cfg.group_size > 1:
+        q = jnp.repeat(q, cfg.group_size, axis=2)
+        k = jnp.repeat(k, cfg.group_size, axis=2)
+
+    def masked(x):
+        return jnp.where(real.reshape(real.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
+
+    return tuple(masked(x) for x in (q, k, v, g, beta))
+
+
+def _block_chunks(cfg, inputs, num_chunks, c):
+    """The state-independent tensors of a block's chunks, `[num_chunks, B, HV, C, ...]`."""
+    return _prepare_chunks(*(_to_chunks(x, num_chunks, c) for x in inputs), cfg.scale)
+
+
+def _prefill_dense(cfg, tokens, token_inputs, state0, o0, c):
     t = cfg.seqlen
     num_chunks = -(-t // c)
-    padded = num_chunks * c
-    q, k, v, g, beta = (_pad_tokens(x, padded) for x in (q, k, v, g, beta))
-    chunks = _prepare_chunks(
-        _to_chunks(q, num_chunks, c),
-        _to_chunks(k, num_chunks, c),
-        _to_chunks(v, num_chunks, c),
-        _to_chunks(g, num_chunks, c),
-        _to_chunks(beta, num_chunks, c),
-        cfg.scale,
-    )
-    final, o = lax.scan(_chunk_step, state0, chunks)
-    return _from_chunks(o)[:, :t], final
+    per_block = chunks_per_block(num_chunks, cfg.batch * cfg.num_v_heads * c)
+    length = per_block * c  # tokens a block
+
+    def block(carry, index):
+        state, o = carry
+        pos = index * length + jnp.arange(length, dtype=jnp.int32)
+        real = jnp.broadcast_to(pos < t, (cfg.batch, length))
+        inputs = token_inputs(real, *(jnp.take(x, jnp.minimum(pos, t - 1), axis=1) for x in tokens))
+        state, o_block = lax.scan(_chunk_step, state, _block_chunks(cfg, inputs, per_block, c))
+        # Tokens past the end go to index t, which the update drops.
+        o = o.at[:, jnp.where(pos < t, pos, t)].set(_from_chunks(o_block).astype(o.dtype), mode="drop")
+        return (state, o), None
+
+    (final, o), _ = lax.scan(block, (state0, o0), jnp.arange(-(-num_chunks // per_block), dtype=jnp.int32))
+    return o, final
 
 
-def _prefill_packed(cfg, q, k, v, g, beta, state0, cu_seqlens, c):
-    """B == 1, N sequences given by a traced cu_seqlens; see the module docstring for the layout."""
+def _prefill_packed(cfg, tokens, token_inputs, state0, o0, cu_seqlens, c):
+    """B == 1, N sequences given by a traced cu_seqlens, each laid out padded to a multiple of C
+    tokens (the module docstring); a block is a range of that padded layout, gathered from the
+    packed input when it runs."""
     t, n = cfg.seqlen, cfg.num_seqs
-    if t == 0 or n == 0:
-        return jnp.zeros((1, t, cfg.num_v_heads, cfg.head_v), q.dtype), state0
     # Malformed (non-monotone or out-of-range) cu_seqlens cannot be detected at trace time: they are
     # clipped so every index stays in bounds; the outputs are then unspecified but memory-safe.
     cu = jnp.clip(cu_seqlens.astype(jnp.int32), 0, t)
@@ -243,50 +273,39 @@ def _prefill_packed(cfg, q, k, v, g, beta, state0, cu_seqlens, c):
     padded_lengths = (lengths + c - 1) // c * c
     pad_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded_lengths)])
     num_chunks = -(-(t + n * (c - 1)) // c)
-    padded = num_chunks * c
+    per_block = chunks_per_block(num_chunks, cfg.num_v_heads * c)
+    length = per_block * c
 
-    # Padded position -> (sequence, source token).
-    pos = jnp.arange(padded, dtype=jnp.int32)
-    seq = jnp.searchsorted(pad_starts[1:], pos, side="right").astype(jnp.int32)
-    seq_safe = jnp.minimum(seq, n - 1)
-    offset = pos - pad_starts[seq_safe]
-    real = (seq < n) & (offset < lengths[seq_safe])
-    src = jnp.clip(starts[seq_safe] + offset, 0, t - 1)
+    def block(carry, index):
+        state, finals, o = carry
+        # Padded position -> (sequence, source token).
+        pos = index * length + jnp.arange(length, dtype=jnp.int32)
+        seq = jnp.searchsorted(pad_starts[1:], pos, side="right").astype(jnp.int32)
+        seq_safe = jnp.minimum(seq, n - 1)
+        offset = pos - pad_starts[seq_safe]
+        real = (seq < n) & (offset < lengths[seq_safe])
+        src = jnp.clip(starts[seq_safe] + offset, 0, t - 1)
+        inputs = token_inputs(real[None], *(jnp.take(x, src, axis=1) for x in tokens))
+        first_pos, chunk_seq, chunk_real = pos[::c], seq_safe[::c], real[::c]
+        chunk_first = chunk_real & (first_pos == pad_starts[chunk_seq])
 
-    def gather(x):
-        y = jnp.take(x[0], src, axis=0)
-        mask = real.reshape((-1,) + (1,) * (y.ndim - 1))
-        return jnp.where(mask, y, jnp.zeros((), y.dtype))[None]
+        def step(carry, xs):
+            state, finals = carry
+            chunk, s, is_real, is_first = xs
+            state = jnp.where(is_first, state0[s][None], state)
+            new_state, o = _chunk_step(state, chunk)
+            new_state = jnp.where(is_real, new_state, state)
+            if finals is not None:
+                finals = finals.at[s].set(jnp.where(is_real, new_state[0], finals[s]))
+            return (new_state, finals), o
 
-    chunks = _prepare_chunks(
-        *(_to_chunks(gather(x), num_chunks, c) for x in (q, k, v, g)),
-        _to_chunks(gather(beta), num_chunks, c),
-        cfg.scale,
-    )
-    first_pos = pos[::c]
-    chunk_seq = seq_safe[::c]
-    chunk_real = real[::c]
-    chunk_first = chunk_real & (first_pos == pad_starts[chunk_seq])
-
-    def step(carry, xs):
-        state, finals = carry
-        chunk, s, is_real, is_first = xs
-        state = jnp.where(is_first, state0[s][None], state)
-        new_state, o = _chunk_step(state, chunk)
-        new_state = jnp.where(is_real, new_state, state)
-        if finals is not None:
-            finals = finals.at[s].set(jnp.where(is_real, new_state[0], finals[s]))
-        return (new_state, finals), o
+        (state, finals), o_block = lax.scan(step, (state, finals), (_block_chunks(cfg, inputs, per_block, c),
+                                                                     chunk_seq, chunk_real, chunk_first))
+        # Padding goes to index t, which the update drops.
+        o = o.at[:, jnp.where(real, src, t)].set(_from_chunks(o_block).astype(o.dtype), mode="drop")
+        return (state, finals, o), None
 
     finals0 = state0 if cfg.output_final_state else None
-    (_, finals), o = lax.scan(step, (jnp.zeros_like(state0[:1]), finals0), (chunks, chunk_seq, chunk_real, chunk_first))
-    o = _from_chunks(o)[0]  # [padded, HV, V]
-
-    # Token -> padded position.
-    tok = jnp.arange(t, dtype=jnp.int32)
-    tseq = jnp.searchsorted(cu[1:], tok, side="right").astype(jnp.int32)
-    tseq_safe = jnp.minimum(tseq, n - 1)
-    inside = (tseq < n) & (tok >= starts[tseq_safe])
-    where_pad = jnp.clip(pad_starts[tseq_safe] + tok - starts[tseq_safe], 0, padded - 1)
-    out = jnp.where(inside[:, None, None], jnp.take(o, where_pad, axis=0), jnp.zeros((), o.dtype))
-    return out[None], finals
+    carry = (jnp.zeros_like(state0[:1]), finals0, o0)
+    (_, finals, o), _ = lax.scan(block, carry, jnp.arange(-(-num_chunks // per_block), dtype=jnp.int32))
+    return o, finals
