@@ -34,7 +34,8 @@ Memory. The call is a scan over blocks of chunks (`chunks_per_block`): a block's
 gathered from the inputs, made ready (fp32, l2norm, gate, beta) and turned into its chunk tensors
 when the block runs, and its outputs are written into o in place, so the temporary memory is one
 block's (about 9 KB per token-head in fp32 at K = V = 128), not the call's; no O(T K V) tensor is
-built.
+built. The blocks are rematerialized in the backward pass (`jax.checkpoint`): a gradient keeps
+only each block's carries and recomputes one block at a time.
 """
 
 from __future__ import annotations
@@ -256,7 +257,8 @@ def _prefill_dense(cfg, tokens, token_inputs, state0, o0, c):
         o = o.at[:, jnp.where(pos < t, pos, t)].set(_from_chunks(o_block).astype(o.dtype), mode="drop")
         return (state, o), None
 
-    (final, o), _ = lax.scan(block, (state0, o0), jnp.arange(-(-num_chunks // per_block), dtype=jnp.int32))
+    # Rematerialized blocks: a gradient saves each block's carries, not its chunk tensors.
+    (final, o), _ = lax.scan(jax.checkpoint(block), (state0, o0), jnp.arange(-(-num_chunks // per_block), dtype=jnp.int32))
     return o, final
 
 
@@ -307,5 +309,5 @@ def _prefill_packed(cfg, tokens, token_inputs, state0, o0, cu_seqlens, c):
 
     finals0 = state0 if cfg.output_final_state else None
     carry = (jnp.zeros_like(state0[:1]), finals0, o0)
-    (_, finals, o), _ = lax.scan(block, carry, jnp.arange(-(-num_chunks // per_block), dtype=jnp.int32))
+    (_, finals, o), _ = lax.scan(jax.checkpoint(block), carry, jnp.arange(-(-num_chunks // per_block), dtype=jnp.int32))
     return o, finals
