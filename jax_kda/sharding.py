@@ -80,6 +80,7 @@ def dim_names(cfg: PrefillConfig, field: str, rank: int) -> tuple[str, ...]:
 
 
 WHOLE_DIMS = frozenset({"T", "K", "V"})  # never split: the recurrence needs whole sequences and heads
+TOKEN_FIELDS = ("q", "k", "v", "g", "beta")
 
 
 def _axes(axis) -> tuple[str, ...]:
@@ -91,14 +92,15 @@ def _padded(spec, rank: int) -> tuple:
     return spec + (None,) * (rank - len(spec))
 
 
-def unsplit_dims(cfg: PrefillConfig, fields, ranks, operand_specs, split: Split) -> dict[tuple[str, object], list[str]]:
+def unsplit_dims(cfg: PrefillConfig, mesh, fields, ranks, operand_specs, split: Split) -> dict[tuple[str, object], list[str]]:
     """Every operand dim that is sharded other than `split` shards it, which XLA gathers (or
-    reshards) before the call: {(dim name, mesh axis): [operands]}, in operand order."""
+    reshards) before the call: {(dim name, mesh axis): [operands]}, in operand order. A mesh axis
+    of size 1 splits nothing and is not counted."""
     wanted, _ = specs(cfg, fields, ranks, split)
     found: dict[tuple[str, object], list[str]] = {}
     for field, rank, have, want in zip(fields, ranks, operand_specs, wanted):
         for dim, axis, keep in zip(dim_names(cfg, field, rank), _padded(have, rank), _padded(want, rank)):
-            if axis is not None and _axes(axis) != _axes(keep):
+            if axis is not None and _axis_size(mesh, axis) > 1 and _axes(axis) != _axes(keep):
                 found.setdefault((dim, axis), []).append(field)
     return found
 
@@ -122,7 +124,7 @@ def choose_split(cfg: PrefillConfig, mesh, fields, ranks, operand_specs) -> Spli
         reasons.append(f"heads over {heads!r}: H={cfg.num_qk_heads}, HV={cfg.num_v_heads}")
         heads = None
     split = Split(batch, heads)
-    found = unsplit_dims(cfg, fields, ranks, operand_specs, split)
+    found = unsplit_dims(cfg, mesh, fields, ranks, operand_specs, split)
     if found:
         logger.warning("jax_kda.prefill: cannot split %s: those inputs are gathered along those dims (the call needs "
                        "whole sequences and whole heads, splits only the batch and head axes of q's sharding that "
@@ -218,10 +220,12 @@ def _explicit_sharding(x):
 def explicit_split(cfg: PrefillConfig, fields: tuple[str, ...], leaves) -> tuple[object, Split] | None:
     """(mesh, split) when q (the first leaf) has an explicit sharding in its type (jax.set_mesh with
     Explicit axes), else None. The split is q's batch and head axes; the other operands are
-    resharded to it, with the reason logged where one of them is sharded otherwise. Raises
-    ValueError where any operand is explicitly split over T, K or V, which the call cannot honour;
-    for a batch split of packed sequences; and where q is replicated but another operand is
-    explicitly sharded: which split was meant is ambiguous."""
+    resharded to it, with the reason logged where one of them is sharded otherwise (a state or
+    dt_bias split over K or V, as parameters and states may be stored, included). Raises ValueError
+    where a token input (q, k, v, g, beta) is split over T, K or V, which the call cannot honour
+    (resharding such an input would move all of it); for a batch split of packed sequences; and
+    where q is replicated but another operand is explicitly sharded: which split was meant is
+    ambiguous."""
     shardings = [_explicit_sharding(x) for x in leaves]
     ranks = tuple(len(x.shape) for x in leaves)
     if shardings[0] is None:
@@ -231,22 +235,22 @@ def explicit_split(cfg: PrefillConfig, fields: tuple[str, ...], leaves) -> tuple
                                  "is split the way q is sharded, so shard q (and k) over the same batch / head "
                                  "axes, or replicate every operand")
         return None
+    mesh = shardings[0].mesh
     for name, rank, sharding in zip(fields, ranks, shardings):
-        spec = _padded(P() if sharding is None else sharding.spec, rank)
-        whole = [f"{dim} over {axis!r}" for dim, axis in zip(dim_names(cfg, name, rank), spec)
-                 if axis is not None and dim in WHOLE_DIMS]
+        if name not in TOKEN_FIELDS or sharding is None:
+            continue
+        whole = [f"{dim} over {axis!r}" for dim, axis in zip(dim_names(cfg, name, rank), _padded(sharding.spec, rank))
+                 if axis is not None and dim in WHOLE_DIMS and _axis_size(mesh, axis) > 1]
         if whole:
             raise ValueError(f"jax_kda.prefill cannot split T, K or V across devices ({name} is sharded "
                              f"{sharding.spec}: {', '.join(whole)}): shard the batch and head axes only (context "
-                             "parallelism across devices is not supported yet); reshard q, k, v, g, beta and "
-                             "the states first")
-    mesh = shardings[0].mesh
+                             f"parallelism across devices is not supported yet); reshard {name} first")
     spec = _padded(shardings[0].spec, 4)
     if cfg.varlen and spec[0] is not None:
         raise ValueError(f"packed sequences (cu_seqlens) cannot be split over the batch axis (q is sharded "
                          f"{shardings[0].spec}); split them over heads, or pack one batch per device")
     split = Split(spec[0], spec[2])
-    found = unsplit_dims(cfg, fields, ranks, [P() if s is None else s.spec for s in shardings], split)
+    found = unsplit_dims(cfg, mesh, fields, ranks, [P() if s is None else s.spec for s in shardings], split)
     if found:
         logger.warning("jax_kda.prefill: %s resharded to q's split (batch %r, heads %r): the call is split "
                        "the way q is sharded", describe(found), split.batch, split.heads)

@@ -198,10 +198,13 @@ def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
         if cfg.state_v_first:
             state0 = jnp.swapaxes(state0, -1, -2)
     tokens = (ops.q, ops.k, ops.v, ops.g, ops.beta)
-    # Inside jax.shard_map the scans' carries must vary over the same mesh axes as what updates them.
-    state0 = _varying_like(state0, *tokens)
-    o0 = _varying_like(jnp.zeros((cfg.batch, cfg.seqlen, hv, vdim), jnp.dtype(cfg.dtype)), *tokens)
-    token_inputs = functools.partial(_token_inputs, cfg, compute, ops.A_log, ops.dt_bias)
+    # Inside jax.shard_map the scans' carries must vary over the same mesh axes as what updates
+    # them: any operand (a state or dt_bias may vary over more axes than the tokens).
+    state0 = _varying_like(state0, *jax.tree.leaves(ops))
+    o0 = _varying_like(jnp.zeros((cfg.batch, cfg.seqlen, hv, vdim), jnp.dtype(cfg.dtype)), *jax.tree.leaves(ops))
+    # Cast once, outside the blocks: their gradients then add up across the blocks in fp32.
+    A_log, dt_bias = (None if x is None else x.astype(compute) for x in (ops.A_log, ops.dt_bias))
+    token_inputs = functools.partial(_token_inputs, cfg, compute, A_log, dt_bias)
     if cfg.seqlen == 0 or n == 0:
         o, final = o0, state0
     elif cfg.varlen:
@@ -216,15 +219,14 @@ def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
 
 
 def _token_inputs(cfg, compute, A_log, dt_bias, real, q, k, v, g, beta):
-    """A block's token-wise inputs, `[B, L, H or HV, ...]` as given, made ready for the chunk
+    """(A_log and dt_bias already in `compute`.) A block's token-wise inputs, `[B, L, H or HV, ...]` as given, made ready for the chunk
     algorithm: fp32 (float64 for float64 input), q/k l2-normalised, the gate as log-decay, beta
     activated, q/k repeated over their value heads; tokens where `real` `[B, L]` is False (past the
     end, padding) are zeros, which leave the state untouched."""
     q, k, v, g, beta = (x.astype(compute) for x in (q, k, v, g, beta))
     if cfg.use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-    g = log_decay(g, cfg.gate_mode, A_log=None if A_log is None else A_log.astype(compute),
-                  dt_bias=None if dt_bias is None else dt_bias.astype(compute), lower_bound=cfg.lower_bound)
+    g = log_decay(g, cfg.gate_mode, A_log=A_log, dt_bias=dt_bias, lower_bound=cfg.lower_bound)
     beta = beta_activation(beta, cfg.use_beta_sigmoid)
     if cfg.group_size > 1:
         q = jnp.repeat(q, cfg.group_size, axis=2)

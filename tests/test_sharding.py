@@ -127,6 +127,37 @@ def test_shard_map_with_check_vma_on_every_backend(backend, dims, initial_state,
     _assert_close(got, want)
 
 
+@pytest.mark.parametrize("varying", ["initial_state", "dt_bias", "cu_seqlens"])
+def test_shard_map_where_only_a_state_parameter_or_cu_seqlens_varies(varying, fresh_seed):
+    """Tokens the same on every device while the initial state (one per device), dt_bias or a packed
+    batch's cu_seqlens differ: the XLA path's scan carries vary over the mesh axis as the result
+    does, and each device's result is the unsharded call's with its own operand."""
+    packed = varying == "cu_seqlens"
+    w = W("shard_map_varying", seqlens=(10, 30) if packed else None, seqlen=40, heads=2, gate="softplus",
+          head_k=32, head_v=32, dtype="float32")
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    arrays, static = _split(kwargs)
+    rng = np.random.default_rng(fresh_seed + 1)
+    second = {"initial_state": arrays["initial_state"] + rng.standard_normal(arrays["initial_state"].shape),
+              "dt_bias": arrays["dt_bias"] + rng.standard_normal(arrays["dt_bias"].shape),
+              "cu_seqlens": np.array([0, 25, 40], np.int32)}[varying]
+    per_device = [dict(arrays), dict(arrays, **{varying: jnp.asarray(second, arrays[varying].dtype)})]
+    stacked = jnp.concatenate([d[varying] for d in per_device])
+    mesh = _mesh((2,), ("x",), count=2)
+    kw_specs = {k: (P("x") if k == varying else P()) for k in arrays}
+    out_specs = (P("x"), P("x"))
+
+    def local(a, kw):
+        return jax_kda.prefill(*a, **kw, **static, backend="xla")
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=(tuple(P() for _ in args), kw_specs), out_specs=out_specs)
+    o, final = jax.jit(run)(args, dict(arrays, **{varying: stacked}))
+    for i, kw in enumerate(per_device):
+        want_o, want_final = jax_kda.prefill(*args, **kw, **static, backend="xla")
+        n = want_final.shape[0]
+        _assert_close((o[i : i + 1], final[i * n : (i + 1) * n]), (want_o, want_final))
+
+
 @pytest.mark.parametrize("wrap", ["jit", "checkpoint"])
 def test_grad_of_a_jitted_shard_map_and_its_output_type(wrap, fresh_seed):
     """Inside shard_map the results are typed as varying over the operands' manual axes, as values
@@ -280,21 +311,57 @@ def test_under_jit_any_operand_split_the_call_keeps_whole_is_gathered_and_logged
     assert "B over" not in caplog.text  # q's batch split is kept
 
 
-@pytest.mark.parametrize("name,spec,dim", OTHER_OPERAND_SPLITS,
-                         ids=[f"{n}_{d}" for n, _, d in OTHER_OPERAND_SPLITS])
-def test_under_explicit_sharding_any_operand_split_over_t_k_or_v_is_an_error(name, spec, dim):
-    w = W("other_operand_explicit", batch=2, seqlen=32, heads=4, gate="softplus", **KDA)
-    args, kwargs = make_inputs(w, np.random.default_rng(0))
+def _explicit_inputs(w, mesh, name, spec, seed):
+    args, kwargs = make_inputs(w, np.random.default_rng(seed))
     arrays, static = _split(kwargs)
-    mesh = _mesh((2, 4), ("data", "x"), kind=AxisType.Explicit)
     inputs = dict(zip(("q", "k", "v", "g", "beta"), args), **arrays)
+    placed = {n: jax.device_put(x, NamedSharding(mesh, spec if n == name else P("data") if n in
+                                                 ("q", "k", "v", "g", "beta", "initial_state") else P()))
+              for n, x in inputs.items()}
+    return args, arrays, static, placed
+
+
+TOKEN_SPLITS = [s for s in OTHER_OPERAND_SPLITS if s[0] in ("v", "g", "beta", "k")]
+STATE_AND_PARAMETER_SPLITS = [s for s in OTHER_OPERAND_SPLITS if s[0] in ("initial_state", "dt_bias")]
+
+
+@pytest.mark.parametrize("name,spec,dim", TOKEN_SPLITS, ids=[f"{n}_{d}" for n, _, d in TOKEN_SPLITS])
+def test_under_explicit_sharding_a_token_input_split_over_t_k_or_v_is_an_error(name, spec, dim):
+    w = W("other_operand_explicit", batch=2, seqlen=32, heads=4, gate="softplus", **KDA)
+    mesh = _mesh((2, 4), ("data", "x"), kind=AxisType.Explicit)
     with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
-        placed = {n: jax.device_put(x, NamedSharding(mesh, spec if n == name else P("data") if n in
-                                                     ("q", "k", "v", "g", "beta", "initial_state") else P()))
-                  for n, x in inputs.items()}
+        _, _, static, placed = _explicit_inputs(w, mesh, name, spec, 0)
         with pytest.raises(ValueError, match=rf"cannot split T, K or V across devices \({name} is sharded .*"
-                                             rf"{dim} over 'x'"):
+                                             rf"{dim} over 'x'.*reshard {name} first"):
             jax.jit(lambda kw: jax_kda.prefill(**kw, **static))(placed)
+
+
+@pytest.mark.parametrize("name,spec,dim", STATE_AND_PARAMETER_SPLITS,
+                         ids=[f"{n}_{d}" for n, _, d in STATE_AND_PARAMETER_SPLITS])
+def test_under_explicit_sharding_a_state_or_parameter_split_over_k_or_v_is_resharded_with_a_log(
+        name, spec, dim, fresh_seed, caplog):
+    """States and parameters may be stored split over K or V (FSDP): they are resharded to q's split,
+    and the log says so; the result is the unsharded call's."""
+    w = W("state_param_explicit", batch=2, seqlen=32, heads=4, gate="softplus", **KDA)
+    mesh = _mesh((2, 4), ("data", "x"), kind=AxisType.Explicit)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        args, arrays, static, placed = _explicit_inputs(w, mesh, name, spec, fresh_seed)
+        with caplog.at_level(logging.WARNING, logger="jax_kda"):
+            got = jax.jit(lambda kw: jax_kda.prefill(**kw, **static))(placed)
+    _assert_close(got, jax_kda.prefill(*args, **arrays, **static))
+    assert f"{dim} over 'x' ({name}) resharded to q's split" in caplog.text, caplog.text
+
+
+def test_a_split_over_a_mesh_axis_of_size_one_splits_nothing(fresh_seed, caplog):
+    """v 'split' over V along an axis of size 1 is whole: no error, no log."""
+    w = W("size_one_axis", batch=2, seqlen=32, heads=4, **KDA)
+    mesh = _mesh((2, 1), ("data", "x"), kind=AxisType.Explicit)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        args, arrays, static, placed = _explicit_inputs(w, mesh, "v", P("data", None, None, "x"), fresh_seed)
+        with caplog.at_level(logging.WARNING, logger="jax_kda"):
+            got = jax.jit(lambda kw: jax_kda.prefill(**kw, **static))(placed)
+    _assert_close(got, jax_kda.prefill(*args, **arrays, **static))
+    assert "jax_kda" not in caplog.text
 
 
 def test_under_explicit_sharding_an_operand_split_otherwise_than_q_is_resharded_with_a_log(fresh_seed, caplog):

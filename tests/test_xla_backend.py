@@ -206,3 +206,30 @@ def test_gradient_memory_is_a_few_times_the_inputs():
     temp = grad.lower(x, x, x, x, beta, state).compile().memory_analysis().temp_size_in_bytes
     inputs = 4 * t * h * d * 2 + t * h * 2 + h * d * d * 4
     assert temp <= 5 * inputs, (temp, inputs)
+
+
+def test_bf16_gate_parameter_gradients_add_up_in_fp32_across_blocks(fresh_seed, monkeypatch):
+    """A_log and dt_bias given in bf16 are cast once, outside the blocks, so their gradients add up
+    over the blocks in fp32: through 16 blocks of one chunk they are the gradients of the same
+    values cast to fp32 by the caller, rounded to bf16 (summed in bf16 block by block, dt_bias's was
+    off by err_ratio 1e-2 here, and elements near zero by far more)."""
+    import jax.numpy as jnp
+    from jax_kda import xla_backend
+
+    w = W("bf16_params", seqlen=1024, heads=2, gate="softplus", dtype="float32")
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    params = {k: jnp.asarray(kwargs[k], jnp.bfloat16) for k in ("A_log", "dt_bias")}
+    static = {k: v for k, v in kwargs.items() if k not in params}
+
+    def grads(dtype):
+        def loss(p):
+            o, final = jax_kda.prefill(*args, backend="xla", **{k: v.astype(dtype) for k, v in p.items()}, **static)
+            return jnp.sum(o * o) + jnp.sum(final * final)
+        return jax.grad(loss)(params)
+
+    monkeypatch.setattr(xla_backend, "chunks_per_block", lambda num_chunks, token_heads: 1)
+    jax.clear_caches()
+    got, want = grads(jnp.bfloat16), grads(jnp.float32)
+    for name in params:
+        a, b = np.asarray(got[name], np.float64), np.asarray(want[name], np.float64)
+        assert gold.err_ratio(a, b) <= 1e-6, (name, gold.err_ratio(a, b))
