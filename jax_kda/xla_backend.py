@@ -200,8 +200,9 @@ def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
     tokens = (ops.q, ops.k, ops.v, ops.g, ops.beta)
     # Inside jax.shard_map the scans' carries must vary over the same mesh axes as what updates
     # them: any operand (a state or dt_bias may vary over more axes than the tokens).
-    state0 = _varying_like(state0, *jax.tree.leaves(ops))
-    o0 = _varying_like(jnp.zeros((cfg.batch, cfg.seqlen, hv, vdim), jnp.dtype(cfg.dtype)), *jax.tree.leaves(ops))
+    operands = jax.tree.leaves(ops)
+    state0 = _varying_like(state0, *operands)
+    o0 = _varying_like(jnp.zeros((cfg.batch, cfg.seqlen, hv, vdim), jnp.dtype(cfg.dtype)), *operands)
     # Cast once, outside the blocks: their gradients then add up across the blocks in fp32.
     A_log, dt_bias = (None if x is None else x.astype(compute) for x in (ops.A_log, ops.dt_bias))
     token_inputs = functools.partial(_token_inputs, cfg, compute, A_log, dt_bias)
@@ -219,10 +220,11 @@ def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
 
 
 def _token_inputs(cfg, compute, A_log, dt_bias, real, q, k, v, g, beta):
-    """(A_log and dt_bias already in `compute`.) A block's token-wise inputs, `[B, L, H or HV, ...]` as given, made ready for the chunk
-    algorithm: fp32 (float64 for float64 input), q/k l2-normalised, the gate as log-decay, beta
-    activated, q/k repeated over their value heads; tokens where `real` `[B, L]` is False (past the
-    end, padding) are zeros, which leave the state untouched."""
+    """A block's token-wise inputs, `[B, L, H or HV, ...]` as given, made ready for the chunk
+    algorithm: `compute` dtype (fp32, float64 for float64 input; A_log and dt_bias come in it), q/k
+    l2-normalised, the gate as log-decay, beta activated, q/k repeated over their value heads;
+    tokens where `real` `[B, L]` is False (past the end, padding) are zeros, which leave the state
+    untouched."""
     q, k, v, g, beta = (x.astype(compute) for x in (q, k, v, g, beta))
     if cfg.use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)

@@ -41,6 +41,12 @@ def _mesh(shape, names, kind=AxisType.Auto, count=None):
     return jax.sharding.Mesh(devices, names, axis_types=(kind,) * len(names))
 
 
+def _in_mesh(mesh):
+    """The context that makes `mesh` current (explicit sharding): jax.set_mesh, or use_mesh where
+    this jax still has it."""
+    return jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh)
+
+
 def _split(kwargs):
     arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
     return arrays, {k: v for k, v in kwargs.items() if k not in arrays}
@@ -216,7 +222,7 @@ def test_explicit_sharding_mode_splits_batch_and_heads(fresh_seed):
     want = jax_kda.prefill(*args, **arrays, **static)
     mesh = _mesh((2, 4), ("data", "model"), kind=AxisType.Explicit)
     arg_specs, kw_specs = _specs(w, "data", "model")
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+    with _in_mesh(mesh):
         f = jax.jit(lambda a, kw: jax_kda.prefill(*a, **kw, **static))
         got, compiled = _run_sharded(f, mesh, args, arrays, arg_specs, kw_specs)
     _assert_close(got, want)
@@ -235,7 +241,7 @@ def test_explicit_sharding_reshards_replicated_parameters_and_states(batch, head
     want = jax_kda.prefill(*args, **arrays, **static)
     mesh = _mesh((2, 4), ("data", "model"), kind=AxisType.Explicit)
     arg_specs, _ = _specs(w, batch, heads)
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+    with _in_mesh(mesh):
         f = jax.jit(lambda a, kw: jax_kda.prefill(*a, **kw, **static))
         got, compiled = _run_sharded(f, mesh, args, arrays, arg_specs, {k: P() for k in arrays})
     _assert_close(got, want)
@@ -255,7 +261,7 @@ def test_explicit_shardings_the_call_cannot_honour_are_errors(axis, specs, match
     args, kwargs = make_inputs(w, np.random.default_rng(0))
     arrays, static = _split(kwargs)
     mesh = _mesh((4,), (axis,), kind=AxisType.Explicit, count=4)
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+    with _in_mesh(mesh):
         sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
         with pytest.raises(ValueError, match=match):
             jax.jit(lambda a: jax_kda.prefill(*a, **arrays, **static))(sharded)
@@ -274,6 +280,18 @@ def test_a_token_sharded_input_is_gathered_with_the_reason_logged(fresh_seed, ca
         got = jax.jit(lambda a, kw: jax_kda.prefill(*a, **kw, **static))(sharded, arrays)
     _assert_close(got, want)
     assert "cannot split T over 'seq' (q, k, v, g, beta): those inputs are gathered" in caplog.text
+
+
+def _placed_inputs(w, mesh, name, spec, seed):
+    """Inputs of `w` on `mesh`: operand `name` sharded `spec`, the token inputs and the state split
+    over the batch axis "data", the rest replicated. (args, arrays, static kwargs, placed by name)."""
+    args, kwargs = make_inputs(w, np.random.default_rng(seed))
+    arrays, static = _split(kwargs)
+    inputs = dict(zip(("q", "k", "v", "g", "beta"), args), **arrays)
+    placed = {n: jax.device_put(x, NamedSharding(mesh, spec if n == name else P("data") if n in
+                                                 ("q", "k", "v", "g", "beta", "initial_state") else P()))
+              for n, x in inputs.items()}
+    return args, arrays, static, placed
 
 
 # One operand other than q sharded over a dim the call keeps whole (q itself is split over the
@@ -295,30 +313,15 @@ def test_under_jit_any_operand_split_the_call_keeps_whole_is_gathered_and_logged
     """Not only q's sharding is read: any operand sharded over T, K or V is gathered along it with
     the reason logged, while the call keeps q's batch split; the result is the unsharded call's."""
     w = W("other_operand_auto", batch=2, seqlen=32, heads=4, gate="softplus", **KDA)
-    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
-    arrays, static = _split(kwargs)
-    want = jax_kda.prefill(*args, **arrays, **static)
     mesh = _mesh((2, 4), ("data", "x"))
-    inputs = dict(zip(("q", "k", "v", "g", "beta"), args), **arrays)
-    placed = {n: jax.device_put(x, NamedSharding(mesh, spec if n == name else P("data") if n in
-                                                 ("q", "k", "v", "g", "beta", "initial_state") else P()))
-              for n, x in inputs.items()}
+    args, arrays, static, placed = _placed_inputs(w, mesh, name, spec, fresh_seed)
+    want = jax_kda.prefill(*args, **arrays, **static)
     f = jax.jit(lambda kw: jax_kda.prefill(**kw, **static))
     with caplog.at_level(logging.WARNING, logger="jax_kda"):
         got = f(placed)
     _assert_close(got, want)
     assert f"cannot split {dim} over 'x' ({name}): those inputs are gathered" in caplog.text, caplog.text
     assert "B over" not in caplog.text  # q's batch split is kept
-
-
-def _explicit_inputs(w, mesh, name, spec, seed):
-    args, kwargs = make_inputs(w, np.random.default_rng(seed))
-    arrays, static = _split(kwargs)
-    inputs = dict(zip(("q", "k", "v", "g", "beta"), args), **arrays)
-    placed = {n: jax.device_put(x, NamedSharding(mesh, spec if n == name else P("data") if n in
-                                                 ("q", "k", "v", "g", "beta", "initial_state") else P()))
-              for n, x in inputs.items()}
-    return args, arrays, static, placed
 
 
 TOKEN_SPLITS = [s for s in OTHER_OPERAND_SPLITS if s[0] in ("v", "g", "beta", "k")]
@@ -329,8 +332,8 @@ STATE_AND_PARAMETER_SPLITS = [s for s in OTHER_OPERAND_SPLITS if s[0] in ("initi
 def test_under_explicit_sharding_a_token_input_split_over_t_k_or_v_is_an_error(name, spec, dim):
     w = W("other_operand_explicit", batch=2, seqlen=32, heads=4, gate="softplus", **KDA)
     mesh = _mesh((2, 4), ("data", "x"), kind=AxisType.Explicit)
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
-        _, _, static, placed = _explicit_inputs(w, mesh, name, spec, 0)
+    with _in_mesh(mesh):
+        _, _, static, placed = _placed_inputs(w, mesh, name, spec, 0)
         with pytest.raises(ValueError, match=rf"cannot split T, K or V across devices \({name} is sharded .*"
                                              rf"{dim} over 'x'.*reshard {name} first"):
             jax.jit(lambda kw: jax_kda.prefill(**kw, **static))(placed)
@@ -344,8 +347,8 @@ def test_under_explicit_sharding_a_state_or_parameter_split_over_k_or_v_is_resha
     and the log says so; the result is the unsharded call's."""
     w = W("state_param_explicit", batch=2, seqlen=32, heads=4, gate="softplus", **KDA)
     mesh = _mesh((2, 4), ("data", "x"), kind=AxisType.Explicit)
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
-        args, arrays, static, placed = _explicit_inputs(w, mesh, name, spec, fresh_seed)
+    with _in_mesh(mesh):
+        args, arrays, static, placed = _placed_inputs(w, mesh, name, spec, fresh_seed)
         with caplog.at_level(logging.WARNING, logger="jax_kda"):
             got = jax.jit(lambda kw: jax_kda.prefill(**kw, **static))(placed)
     _assert_close(got, jax_kda.prefill(*args, **arrays, **static))
@@ -356,8 +359,8 @@ def test_a_split_over_a_mesh_axis_of_size_one_splits_nothing(fresh_seed, caplog)
     """v 'split' over V along an axis of size 1 is whole: no error, no log."""
     w = W("size_one_axis", batch=2, seqlen=32, heads=4, **KDA)
     mesh = _mesh((2, 1), ("data", "x"), kind=AxisType.Explicit)
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
-        args, arrays, static, placed = _explicit_inputs(w, mesh, "v", P("data", None, None, "x"), fresh_seed)
+    with _in_mesh(mesh):
+        args, arrays, static, placed = _placed_inputs(w, mesh, "v", P("data", None, None, "x"), fresh_seed)
         with caplog.at_level(logging.WARNING, logger="jax_kda"):
             got = jax.jit(lambda kw: jax_kda.prefill(**kw, **static))(placed)
     _assert_close(got, jax_kda.prefill(*args, **arrays, **static))
@@ -373,7 +376,7 @@ def test_under_explicit_sharding_an_operand_split_otherwise_than_q_is_resharded_
     want = jax_kda.prefill(*args, **arrays, **static)
     mesh = _mesh((2, 4), ("data", "x"), kind=AxisType.Explicit)
     specs = [P("data")] * 2 + [P(None, None, "x")] * 2 + [P(None, None, "x")]
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+    with _in_mesh(mesh):
         sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
         with caplog.at_level(logging.WARNING, logger="jax_kda"):
             got = jax.jit(lambda a: jax_kda.prefill(*a, **arrays, **static))(sharded)

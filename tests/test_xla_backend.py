@@ -145,21 +145,33 @@ def test_block_size_follows_the_call_size():
     assert chunks_per_block(10_000, 64) == MIN_BLOCK_TOKEN_HEADS // 64
 
 
+def _long_call(t: int, h: int):
+    """(prefill of a bf16 call of t tokens x h heads, K = V = 128, with the grid's flags, as a function
+    of (q, k, v, g, beta, initial_state); its arguments' shapes; their bytes)."""
+    import jax.numpy as jnp
+
+    d = 128
+    x, beta = jax.ShapeDtypeStruct((1, t, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, t, h), jnp.bfloat16)
+    state = jax.ShapeDtypeStruct((1, h, d, d), jnp.float32)
+
+    def call(q, k, v, g, b, s):
+        return jax_kda.prefill(q, k, v, g, b, initial_state=s, output_final_state=True, backend="xla",
+                               use_gate_in_kernel=True, A_log=jnp.zeros((h,), jnp.float32), lower_bound=-5.0,
+                               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+    return call, (x, x, x, x, beta, state), 4 * t * h * d * 2 + t * h * 2 + h * d * d * 4
+
+
+def _temporary_bytes(fn, shapes) -> int:
+    return jax.jit(fn).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+
 def test_temporary_memory_is_a_small_fraction_of_a_long_calls_inputs():
     """The contract's bound on long contexts: 65 536 tokens x 16 heads (1.1 GB of bf16 inputs),
     compiled for this host; the XLA path's temporaries are a block's (about 13 %), not about 8x the
     inputs as when every chunk's fp32 tensors were made at once."""
-    import jax.numpy as jnp
-
-    t, h, d = 65536, 16, 128
-    x, beta = jax.ShapeDtypeStruct((1, t, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, t, h), jnp.bfloat16)
-    state = jax.ShapeDtypeStruct((1, h, d, d), jnp.float32)
-    call = jax.jit(lambda q, k, v, g, b, s: jax_kda.prefill(
-        q, k, v, g, b, initial_state=s, output_final_state=True, backend="xla", use_gate_in_kernel=True,
-        A_log=jnp.zeros((h,), jnp.float32), lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True))
-    temp = call.lower(x, x, x, x, beta, state).compile().memory_analysis().temp_size_in_bytes
-    inputs = 4 * t * h * d * 2 + t * h * 2 + h * d * d * 4
+    call, shapes, inputs = _long_call(65536, 16)
+    temp = _temporary_bytes(call, shapes)
     assert temp <= 0.2 * inputs, (temp, inputs)
 
 
@@ -192,19 +204,13 @@ def test_gradient_memory_is_a_few_times_the_inputs():
     inputs in temporaries, where keeping every chunk's tensors took 24x."""
     import jax.numpy as jnp
 
-    t, h, d = 32768, 8, 128
-    x, beta = jax.ShapeDtypeStruct((1, t, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, t, h), jnp.bfloat16)
-    state = jax.ShapeDtypeStruct((1, h, d, d), jnp.float32)
+    call, shapes, inputs = _long_call(32768, 8)
 
-    def loss(q, k, v, g, b, s):
-        o, final = jax_kda.prefill(q, k, v, g, b, initial_state=s, output_final_state=True, backend="xla",
-                                   use_gate_in_kernel=True, A_log=jnp.zeros((h,), jnp.float32), lower_bound=-5.0,
-                                   use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    def loss(*args):
+        o, final = call(*args)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
-    grad = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
-    temp = grad.lower(x, x, x, x, beta, state).compile().memory_analysis().temp_size_in_bytes
-    inputs = 4 * t * h * d * 2 + t * h * 2 + h * d * d * 4
+    temp = _temporary_bytes(jax.grad(loss, argnums=tuple(range(6))), shapes)
     assert temp <= 5 * inputs, (temp, inputs)
 
 
