@@ -245,8 +245,8 @@ def in_pieces(ops: Operands, cfg: PrefillConfig, piece_len: int, run_piece):
     return [o, state] if cfg.output_final_state else [o]
 
 
-def _xla_calls(*leaves, tree, cfg: PrefillConfig):
-    o, final = xla_backend.prefill(cfg, jax.tree.unflatten(tree, leaves))
+def _xla_calls(*leaves, tree, cfg: PrefillConfig, platform: str | None = None):
+    o, final = xla_backend.prefill(cfg, jax.tree.unflatten(tree, leaves), platform=platform)
     return [o, final] if cfg.output_final_state else [o]
 
 
@@ -294,8 +294,10 @@ def _lowering(ctx, *leaves, tree, fields, cfg, kernels, num_sms, num_segments, c
             plan = planner.plan_prefill(local_cfg, num_sms=num_sms, num_segments=num_segments)
             return _kernel_calls(*xs, tree=tree, cfg=local_cfg, plan=plan, kernels=kernels, num_sms=num_sms)
     else:
+        platform = xla_backend.block_platform(ctx.platforms or ctx.module_context.platforms)
+
         def local(local_cfg, *xs):
-            return _xla_calls(*xs, tree=tree, cfg=local_cfg)
+            return _xla_calls(*xs, tree=tree, cfg=local_cfg, platform=platform)
     if sharding.can_partition(ctx.module_context.axis_context):
         call = sharding.partitioned(local, cfg, fields, tuple(len(a.shape) for a in ctx.avals_in))
     else:

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_kda import dispatch
 from jax_kda.config import Operands, PrefillConfig
 from jax_kda.gates import beta_activation, l2_normalize, log_decay
 
@@ -173,20 +174,43 @@ def _from_chunks(x: jax.Array) -> jax.Array:
 # Blocks: the call runs as a scan over blocks of chunks, each block's token-wise inputs and
 # state-independent chunk tensors made when the block runs (about 8x its inputs' bytes: fp32, and
 # several tensors a token), so the temporary memory is a block's, not the call's. A block is at
-# most 1/BLOCKS_PER_CALL of the call's chunks, and at least MIN_BLOCK_TOKEN_HEADS token x head
-# pairs (small calls run as one block, with no per-block overhead).
+# most 1/BLOCKS_PER_CALL of the call's chunks (a long call's temporaries are then about 13 % of its
+# inputs) and at least `min_block_token_heads` token x value-head pairs (small calls run as one
+# block). That floor depends on the platform. On a GPU each block costs a fixed 0.1-0.2 ms of
+# kernel launches and loop steps, whatever its size: on an H100 (benchmarks/xla_path.py), 16
+# blocks of 2^14 made an 8K-token x 32-head call 36 % slower than one block, 4 blocks of 2^16 21 %,
+# and jax.grad 28 % and 2 %. On a CPU smaller blocks are faster (they stay in cache): 16K x 4 heads
+# took 356 ms in 4 blocks of 2^14 and 493 ms as one block.
 BLOCKS_PER_CALL = 64
-MIN_BLOCK_TOKEN_HEADS = 1 << 14
+MIN_BLOCK_TOKEN_HEADS = 1 << 16  # GPUs and every platform but the CPU (TPUs: not measured)
+MIN_BLOCK_TOKEN_HEADS_CPU = 1 << 14
 
 
-def chunks_per_block(num_chunks: int, token_heads_per_chunk: int) -> int:
-    """How many chunks a block of the scan holds (static; see BLOCKS_PER_CALL)."""
-    least = -(-MIN_BLOCK_TOKEN_HEADS // max(token_heads_per_chunk, 1))
+def block_platform(platforms) -> str:
+    """The platform whose block size a program lowered for `platforms` (jax's names) uses: the CPU's
+    only where every one is the CPU (a multi-platform lowering of one rule, as jax.export makes)."""
+    return "cpu" if all(p == "cpu" for p in platforms) else next(p for p in platforms if p != "cpu")
+
+
+def min_block_token_heads(platform: str | None) -> int:
+    """The least token x value-head pairs of a block on `platform`, a jax platform name ("cpu",
+    "cuda", "gpu", "tpu", ...); None: the default device's (the platform a traced call runs on
+    unless it is placed elsewhere)."""
+    if platform is None:
+        device = dispatch.default_device()
+        platform = device and device.platform
+    return MIN_BLOCK_TOKEN_HEADS_CPU if platform == "cpu" else MIN_BLOCK_TOKEN_HEADS
+
+
+def chunks_per_block(num_chunks: int, token_heads_per_chunk: int, platform: str | None) -> int:
+    """How many chunks a block of the scan holds on `platform` (static; see BLOCKS_PER_CALL)."""
+    least = -(-min_block_token_heads(platform) // max(token_heads_per_chunk, 1))
     return max(1, min(num_chunks, max(-(-num_chunks // BLOCKS_PER_CALL), least)))
 
 
-def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
-    """The XLA path of `jax_kda.prefill` for a validated call. Returns (o, final_state or None)."""
+def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE, platform: str | None = None):
+    """The XLA path of `jax_kda.prefill` for a validated call, lowered for `platform` (None: the
+    default device's; it sets only the block size). Returns (o, final_state or None)."""
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     compute = jnp.promote_types(jnp.dtype(cfg.dtype), jnp.float32)
@@ -209,9 +233,9 @@ def prefill(cfg: PrefillConfig, ops: Operands, *, chunk_size: int = CHUNK_SIZE):
     if cfg.seqlen == 0 or n == 0:
         o, final = o0, state0
     elif cfg.varlen:
-        o, final = _prefill_packed(cfg, tokens, token_inputs, state0, o0, ops.cu_seqlens, chunk_size)
+        o, final = _prefill_packed(cfg, tokens, token_inputs, state0, o0, ops.cu_seqlens, chunk_size, platform)
     else:
-        o, final = _prefill_dense(cfg, tokens, token_inputs, state0, o0, chunk_size)
+        o, final = _prefill_dense(cfg, tokens, token_inputs, state0, o0, chunk_size, platform)
     if not cfg.output_final_state:
         return o, None
     if cfg.state_v_first:
@@ -245,10 +269,10 @@ def _block_chunks(cfg, inputs, num_chunks, c):
     return _prepare_chunks(*(_to_chunks(x, num_chunks, c) for x in inputs), cfg.scale)
 
 
-def _prefill_dense(cfg, tokens, token_inputs, state0, o0, c):
+def _prefill_dense(cfg, tokens, token_inputs, state0, o0, c, platform):
     t = cfg.seqlen
     num_chunks = -(-t // c)
-    per_block = chunks_per_block(num_chunks, cfg.batch * cfg.num_v_heads * c)
+    per_block = chunks_per_block(num_chunks, cfg.batch * cfg.num_v_heads * c, platform)
     length = per_block * c  # tokens a block
 
     def block(carry, index):
@@ -266,7 +290,7 @@ def _prefill_dense(cfg, tokens, token_inputs, state0, o0, c):
     return o, final
 
 
-def _prefill_packed(cfg, tokens, token_inputs, state0, o0, cu_seqlens, c):
+def _prefill_packed(cfg, tokens, token_inputs, state0, o0, cu_seqlens, c, platform):
     """B == 1, N sequences given by a traced cu_seqlens, each laid out padded to a multiple of C
     tokens (the module docstring); a block is a range of that padded layout, gathered from the
     packed input when it runs."""
@@ -279,7 +303,7 @@ def _prefill_packed(cfg, tokens, token_inputs, state0, o0, cu_seqlens, c):
     padded_lengths = (lengths + c - 1) // c * c
     pad_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded_lengths)])
     num_chunks = -(-(t + n * (c - 1)) // c)
-    per_block = chunks_per_block(num_chunks, cfg.num_v_heads * c)
+    per_block = chunks_per_block(num_chunks, cfg.num_v_heads * c, platform)
     length = per_block * c
 
     def block(carry, index):

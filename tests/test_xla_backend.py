@@ -128,7 +128,7 @@ def test_many_blocks_match_float64_recurrence_and_one_block(w, per_block, fresh_
 
     args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
     one_block = jax_kda.prefill(*args, backend="xla", **kwargs)
-    monkeypatch.setattr(xla_backend, "chunks_per_block", lambda num_chunks, token_heads: per_block)
+    monkeypatch.setattr(xla_backend, "chunks_per_block", lambda *_: per_block)
     jax.clear_caches()
     o, final = jax_kda.prefill(*args, backend="xla", **kwargs)
     check_against_gold(w.name, w, args, kwargs, o, final, FP32_BAR)
@@ -136,13 +136,46 @@ def test_many_blocks_match_float64_recurrence_and_one_block(w, per_block, fresh_
         assert gold.err_ratio(np.asarray(got, np.float64), np.asarray(want, np.float64)) <= 1e-6
 
 
-def test_block_size_follows_the_call_size():
-    from jax_kda.xla_backend import BLOCKS_PER_CALL, MIN_BLOCK_TOKEN_HEADS, chunks_per_block
+def test_block_size_follows_the_call_size_and_the_platform():
+    from jax_kda.xla_backend import BLOCKS_PER_CALL, MIN_BLOCK_TOKEN_HEADS, MIN_BLOCK_TOKEN_HEADS_CPU, chunks_per_block
 
-    assert chunks_per_block(4, 64) == 4  # a small call is one block
-    assert chunks_per_block(0, 64) == 1
-    assert chunks_per_block(10_000, MIN_BLOCK_TOKEN_HEADS) == -(-10_000 // BLOCKS_PER_CALL)
-    assert chunks_per_block(10_000, 64) == MIN_BLOCK_TOKEN_HEADS // 64
+    for platform, least in (("cpu", MIN_BLOCK_TOKEN_HEADS_CPU), ("cuda", MIN_BLOCK_TOKEN_HEADS),
+                            ("gpu", MIN_BLOCK_TOKEN_HEADS), ("tpu", MIN_BLOCK_TOKEN_HEADS)):
+        assert chunks_per_block(4, 64, platform) == 4  # a small call is one block
+        assert chunks_per_block(0, 64, platform) == 1
+        assert chunks_per_block(100_000, least, platform) == -(-100_000 // BLOCKS_PER_CALL)
+        assert chunks_per_block(10_000, 64, platform) == least // 64
+    assert MIN_BLOCK_TOKEN_HEADS > MIN_BLOCK_TOKEN_HEADS_CPU  # fewer, larger blocks where each costs launches
+
+
+def test_the_block_size_is_the_lowering_platforms(fresh_seed, monkeypatch):
+    """A call asks for the floor of the platform it is lowered for, whatever the host: exported for
+    CUDA from this host it gets the GPU's; jax.grad's trace, which has no platform yet, asks for the
+    default device's."""
+    import jax.numpy as jnp
+    from jax_kda import dispatch, xla_backend
+
+    seen = []
+    shipped = xla_backend.min_block_token_heads
+    monkeypatch.setattr(xla_backend, "min_block_token_heads", lambda platform: seen.append(platform) or shipped(platform))
+    jax.clear_caches()
+    w = W("platform", seqlen=40, heads=2)
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    fn = jax.jit(lambda *a: jax_kda.prefill(*a, backend="xla", **kwargs))
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    # ("cpu", "cuda"): each platform's own rule, each with its floor; ("cpu", "tpu"): one rule for
+    # both, with the floor of the platform that is not the CPU.
+    for platforms, want in ((("cuda",), ["cuda"]), (("cpu",), ["cpu"]), (("cpu", "cuda"), ["cpu", "cuda"]),
+                            (("cpu", "tpu"), ["tpu"])):
+        seen.clear()
+        jax.export.export(fn, platforms=platforms)(*shapes)
+        assert sorted(seen) == want, platforms
+    assert xla_backend.min_block_token_heads("cuda") == xla_backend.MIN_BLOCK_TOKEN_HEADS
+    assert xla_backend.min_block_token_heads("cpu") == xla_backend.MIN_BLOCK_TOKEN_HEADS_CPU
+    seen.clear()
+    jax.grad(lambda q: jnp.sum(jax_kda.prefill(q, *args[1:], backend="xla", **kwargs)[0]))(args[0])
+    assert None in seen
+    assert shipped(None) == shipped(dispatch.default_device().platform)
 
 
 def _long_call(t: int, h: int):
@@ -175,6 +208,21 @@ def test_temporary_memory_is_a_small_fraction_of_a_long_calls_inputs():
     assert temp <= 0.2 * inputs, (temp, inputs)
 
 
+def test_with_a_gpus_larger_blocks_memory_is_one_block_or_a_small_fraction(monkeypatch):
+    """The block floor of GPUs and other accelerators (MIN_BLOCK_TOKEN_HEADS), compiled for this
+    host: a call of 2^22 token-heads or more keeps the long-context bound (64 blocks, about 13 % of
+    the inputs); a smaller one holds at most one block of the floor's size, about 9 KB a token-head."""
+    from jax_kda import xla_backend
+
+    monkeypatch.setattr(xla_backend, "min_block_token_heads", lambda platform: xla_backend.MIN_BLOCK_TOKEN_HEADS)
+    jax.clear_caches()
+    call, shapes, inputs = _long_call(262144, 16)
+    assert _temporary_bytes(call, shapes) <= 0.2 * inputs
+    for t in (16384, 65536):
+        call, shapes, inputs = _long_call(t, 16)
+        assert _temporary_bytes(call, shapes) <= 10_000 * xla_backend.MIN_BLOCK_TOKEN_HEADS
+
+
 @pytest.mark.parametrize("w", BLOCK_CASES[:2], ids=lambda w: w.name)
 def test_gradients_through_many_blocks_match_one_block(w, fresh_seed, monkeypatch):
     """The blocks are rematerialized in the backward pass (jax.checkpoint): gradients through blocks
@@ -191,7 +239,7 @@ def test_gradients_through_many_blocks_match_one_block(w, fresh_seed, monkeypatc
         return jnp.sum(o * o) + jnp.sum(final * final)
 
     want = jax.grad(loss, argnums=(0, 1))(args, arrays)
-    monkeypatch.setattr(xla_backend, "chunks_per_block", lambda num_chunks, token_heads: 1)
+    monkeypatch.setattr(xla_backend, "chunks_per_block", lambda *_: 1)
     jax.clear_caches()
     got = jax.grad(loss, argnums=(0, 1))(args, arrays)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -233,7 +281,7 @@ def test_bf16_gate_parameter_gradients_add_up_in_fp32_across_blocks(fresh_seed, 
             return jnp.sum(o * o) + jnp.sum(final * final)
         return jax.grad(loss)(params)
 
-    monkeypatch.setattr(xla_backend, "chunks_per_block", lambda num_chunks, token_heads: 1)
+    monkeypatch.setattr(xla_backend, "chunks_per_block", lambda *_: 1)
     jax.clear_caches()
     got, want = grads(jnp.bfloat16), grads(jnp.float32)
     for name in params:
