@@ -2,13 +2,14 @@
 temporary memory of its forward call and of jax.grad, at the default block size and at others.
 
     python benchmarks/xla_path.py [--cases h32_fixed8k,h8_fixed64k,h32_128x128] [--blocks default,one,16384]
-                                  [--grad-cases h32_fixed8k] [--reps 3] [--out DIR]
+                                  [--unroll 1] [--grad-cases h32_fixed8k] [--reps 3] [--out DIR]
 
 Cases are benchmark grid names (`harness.workload`: the grid's flags, bf16, fp32 states). Block
 settings: `default` (the block size jax_kda ships for the device's platform), `one` (the whole call
 one block: the temporaries of every chunk at once, as before the blocks), or a number: the least
 token x value heads of a block (`xla_backend.min_block_token_heads`; a block is still at most
-1/BLOCKS_PER_CALL of the call). Per case and setting: the number of blocks; the compiled program's
+1/BLOCKS_PER_CALL of the call). `--unroll` times each setting with that many chunk steps per
+iteration of the chunk loops too (`xla_backend.CHUNK_STEPS_PER_ITERATION`). Per case and setting: the number of blocks; the compiled program's
 temporary bytes (`memory_analysis()`) next to the inputs' bytes; the time per call (harness.measure:
 device time where torch with CUDA is there, else wall); and o and the final state of each setting
 against the first's (err_ratio; the blocks change only where the chunks' work is cut, so they agree
@@ -19,6 +20,7 @@ q, k, v, g, beta, A_log, dt_bias and the initial state. Writes DIR/xla_path.json
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import sys
@@ -34,11 +36,13 @@ import jax_kda  # noqa: E402
 from jax_kda import gold, xla_backend  # noqa: E402
 
 SHIPPED = xla_backend.chunks_per_block, xla_backend.min_block_token_heads
+SHIPPED_UNROLL = xla_backend.CHUNK_STEPS_PER_ITERATION
 
 
-def use_setting(setting: str) -> None:
+def use_setting(setting: str, unroll: int = SHIPPED_UNROLL) -> None:
     """Make the XLA path cut its calls as `setting` says (see the module docstring)."""
     xla_backend.chunks_per_block, xla_backend.min_block_token_heads = SHIPPED
+    xla_backend.CHUNK_STEPS_PER_ITERATION = unroll
     if setting == "one":
         xla_backend.chunks_per_block = lambda num_chunks, *_: max(num_chunks, 1)
     elif setting != "default":
@@ -75,13 +79,13 @@ def grad_fn(static):
     return jax.grad(loss, argnums=(0, 1))
 
 
-def run(name: str, setting: str, kind: str, reps: int, rng) -> tuple[dict, object]:
+def run(name: str, setting: str, unroll: int, kind: str, reps: int, rng) -> tuple[dict, object]:
     w = harness.workload(name)
     inputs = harness.input_sets(w, rng, 1)
     (a, kw), static = inputs.sets[0], inputs.static
-    row = dict(case=name, kind=kind, setting=setting, blocks=num_blocks(w, setting), tokens=w.total_tokens,
-               heads=w.heads, input_bytes=harness.input_bytes(a, kw))
-    use_setting(setting)
+    row = dict(case=name, kind=kind, setting=setting, blocks=num_blocks(w, setting), unroll=unroll,
+               tokens=w.total_tokens, heads=w.heads, input_bytes=harness.input_bytes(a, kw))
+    use_setting(setting, unroll)
     jax.clear_caches()
     try:
         fn = jax.jit(forward_fn(static) if kind == "forward" else grad_fn(static))
@@ -106,6 +110,7 @@ def main():
     parser.add_argument("--cases", default="h32_fixed8k,h8_fixed64k,h32_128x128")
     parser.add_argument("--grad-cases", default="h32_fixed8k")
     parser.add_argument("--blocks", default="default,one,16384")
+    parser.add_argument("--unroll", default=str(SHIPPED_UNROLL), help="chunk steps per loop iteration, a list")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=None, help="default: a fresh draw, printed")
     parser.add_argument("--out", type=pathlib.Path, default=None)
@@ -116,12 +121,12 @@ def main():
     jobs = [(c, "forward") for c in args.cases.split(",") if c] + [(c, "grad") for c in args.grad_cases.split(",") if c]
     for name, kind in jobs:
         reference = None
-        for setting in args.blocks.split(","):
+        for setting, unroll in itertools.product(args.blocks.split(","), map(int, args.unroll.split(","))):
             # The same inputs for every setting of a case: a generator seeded alike.
-            row, out = run(name, setting, kind, args.reps, np.random.default_rng(seed))
+            row, out = run(name, setting, unroll, kind, args.reps, np.random.default_rng(seed))
             if out is not None:
                 if reference is None:
-                    reference = (setting, out)
+                    reference = (f"{setting}/{unroll}", out)
                 else:
                     row["vs"] = reference[0]
                     row["max_err_ratio"] = max(gold.err_ratio(x, y) for x, y in
@@ -131,11 +136,11 @@ def main():
     lines = []
     for r in rows:
         temp = r.get("temp_bytes")
-        lines.append([r["case"], r["kind"], r["setting"], str(r["blocks"]), f"{r['us'] / 1e3:.1f}" if "us" in r else r.get("skipped", "—"),
+        lines.append([r["case"], r["kind"], f"{r['setting']}/{r.get('unroll', 1)}", str(r["blocks"]), f"{r['us'] / 1e3:.1f}" if "us" in r else r.get("skipped", "—"),
                       "—" if temp is None else f"{temp / 1e9:.2f}", f"{r['input_bytes'] / 1e9:.2f}",
                       "—" if temp is None else f"{temp / r['input_bytes']:.2f}",
                       f"{r['max_err_ratio']:.1e} vs {r['vs']}" if "vs" in r else ""])
-    harness.print_table(METHOD_NOTE, ["case", "call", "block setting", "blocks", "ms per call", "temp GB", "inputs GB",
+    harness.print_table(METHOD_NOTE, ["case", "call", "blocks / unroll", "blocks", "ms per call", "temp GB", "inputs GB",
                                       "temp / inputs", "agreement"], lines)
     harness.save_rows(args.out, "xla_path.json", rows, METHOD_NOTE)
 

@@ -184,6 +184,9 @@ def _from_chunks(x: jax.Array) -> jax.Array:
 BLOCKS_PER_CALL = 64
 MIN_BLOCK_TOKEN_HEADS = 1 << 16  # GPUs and every platform but the CPU (TPUs: not measured)
 MIN_BLOCK_TOKEN_HEADS_CPU = 1 << 14
+# Chunk steps per iteration of the loops that walk a block's chunks (lax.scan's `unroll`): one step,
+# as measured above; benchmarks/xla_path.py --unroll times others.
+CHUNK_STEPS_PER_ITERATION = 1
 
 
 def block_platform(platforms) -> str:
@@ -280,7 +283,8 @@ def _prefill_dense(cfg, tokens, token_inputs, state0, o0, c, platform):
         pos = index * length + jnp.arange(length, dtype=jnp.int32)
         real = jnp.broadcast_to(pos < t, (cfg.batch, length))
         inputs = token_inputs(real, *(jnp.take(x, jnp.minimum(pos, t - 1), axis=1) for x in tokens))
-        state, o_block = lax.scan(_chunk_step, state, _block_chunks(cfg, inputs, per_block, c))
+        state, o_block = lax.scan(_chunk_step, state, _block_chunks(cfg, inputs, per_block, c),
+                                  unroll=CHUNK_STEPS_PER_ITERATION)
         # Tokens past the end go to index t, which the update drops.
         o = o.at[:, jnp.where(pos < t, pos, t)].set(_from_chunks(o_block).astype(o.dtype), mode="drop")
         return (state, o), None
@@ -330,7 +334,8 @@ def _prefill_packed(cfg, tokens, token_inputs, state0, o0, cu_seqlens, c, platfo
             return (new_state, finals), o
 
         (state, finals), o_block = lax.scan(step, (state, finals), (_block_chunks(cfg, inputs, per_block, c),
-                                                                     chunk_seq, chunk_real, chunk_first))
+                                                                     chunk_seq, chunk_real, chunk_first),
+                                            unroll=CHUNK_STEPS_PER_ITERATION)
         # Padding goes to index t, which the update drops.
         o = o.at[:, jnp.where(real, src, t)].set(_from_chunks(o_block).astype(o.dtype), mode="drop")
         return (state, finals, o), None

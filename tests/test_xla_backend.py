@@ -136,6 +136,22 @@ def test_many_blocks_match_float64_recurrence_and_one_block(w, per_block, fresh_
         assert gold.err_ratio(np.asarray(got, np.float64), np.asarray(want, np.float64)) <= 1e-6
 
 
+@pytest.mark.parametrize("w", BLOCK_CASES[:2], ids=lambda w: w.name)
+def test_chunk_steps_unrolled_give_the_same_result(w, fresh_seed, monkeypatch):
+    """Several chunk steps per loop iteration (a tuning knob, CHUNK_STEPS_PER_ITERATION; 3 does not
+    divide the chunk counts, so the loop has a remainder) compute what one step does."""
+    from jax_kda import xla_backend
+
+    args, kwargs = make_inputs(w, np.random.default_rng(fresh_seed))
+    want = jax_kda.prefill(*args, backend="xla", **kwargs)
+    monkeypatch.setattr(xla_backend, "CHUNK_STEPS_PER_ITERATION", 3)
+    monkeypatch.setattr(xla_backend, "chunks_per_block", lambda num_chunks, *_: max(num_chunks, 1))
+    jax.clear_caches()
+    got = jax_kda.prefill(*args, backend="xla", **kwargs)
+    for a, b in zip(got, want):
+        assert gold.err_ratio(np.asarray(a, np.float64), np.asarray(b, np.float64)) <= 1e-6
+
+
 def test_block_size_follows_the_call_size_and_the_platform():
     from jax_kda.xla_backend import BLOCKS_PER_CALL, MIN_BLOCK_TOKEN_HEADS, MIN_BLOCK_TOKEN_HEADS_CPU, chunks_per_block
 
