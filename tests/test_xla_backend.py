@@ -150,6 +150,22 @@ def test_chunk_steps_unrolled_give_the_same_result(w, fresh_seed, monkeypatch):
     got = jax_kda.prefill(*args, backend="xla", **kwargs)
     for a, b in zip(got, want):
         assert gold.err_ratio(np.asarray(a, np.float64), np.asarray(b, np.float64)) <= 1e-6
+    # The knob reaches the chunk loop (seen in jax.jvp's trace, which holds the XLA path's scans).
+    jaxpr = jax.make_jaxpr(lambda q: jax.jvp(lambda x: jax_kda.prefill(x, *args[1:], backend="xla", **kwargs),
+                                             (q,), (q,)))(args[0])
+    assert 3 in set(_scan_unrolls(jaxpr.jaxpr))
+
+
+def _scan_unrolls(jaxpr):
+    """The `unroll` of every scan in `jaxpr` and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn.params["unroll"]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _scan_unrolls(inner)
 
 
 def test_block_size_follows_the_call_size_and_the_platform():
